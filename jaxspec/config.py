@@ -1,0 +1,102 @@
+"""Model configuration: a frozen `T5Config` and the named sizes.
+
+The named sizes are those of the public T5X checkpoints (T5.1.1 and T5 1.0) plus
+small configurations used by tests. Each config is hashable, so it can be a static
+argument of `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+PAD_ID = 0  # Padding, and the decoder start token.
+EOS_ID = 1
+UNK_ID = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+  """Architecture and numerics of a T5 encoder-decoder."""
+
+  vocab_size: int = 32128
+  emb_dim: int = 512
+  num_heads: int = 6
+  head_dim: int = 64
+  num_encoder_layers: int = 8
+  num_decoder_layers: int = 8
+  mlp_dim: int = 1024
+  # ('gelu', 'linear') is T5.1.1's gated GELU; ('relu',) is T5 1.0.
+  mlp_activations: tuple[str, ...] = ('gelu', 'linear')
+  # True (T5 1.0): logits through the tied embedding, scaled by 1/sqrt(emb_dim).
+  logits_via_embedding: bool = False
+  relative_attention_num_buckets: int = 32
+  relative_attention_max_distance: int = 128
+  # Compute dtype of activations and matmuls; norms, softmax and logits stay float32.
+  dtype: str = 'float32'
+  # Dtype in which parameters are created (loaded ones keep their own dtype).
+  param_dtype: str = 'float32'
+
+  def __post_init__(self):
+    if self.mlp_activations not in (('gelu', 'linear'), ('relu',)):
+      raise ValueError(
+          "mlp_activations must be ('gelu', 'linear') (T5.1.1) or ('relu',) (T5 1.0),"
+          f' got {self.mlp_activations!r}')
+    for name in ('vocab_size', 'emb_dim', 'num_heads', 'head_dim', 'mlp_dim',
+                 'num_encoder_layers', 'num_decoder_layers'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'{name} must be >= 1, got {getattr(self, name)}')
+    jnp.dtype(self.dtype)
+    jnp.dtype(self.param_dtype)
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  def replace(self, **changes) -> 'T5Config':
+    return dataclasses.replace(self, **changes)
+
+
+def _t5_1_1(emb_dim, num_heads, num_layers, mlp_dim) -> T5Config:
+  return T5Config(
+      emb_dim=emb_dim, num_heads=num_heads, head_dim=64,
+      num_encoder_layers=num_layers, num_decoder_layers=num_layers, mlp_dim=mlp_dim,
+      mlp_activations=('gelu', 'linear'), logits_via_embedding=False)
+
+
+def _t5_1_0(emb_dim, num_heads, head_dim, num_layers, mlp_dim) -> T5Config:
+  return T5Config(
+      emb_dim=emb_dim, num_heads=num_heads, head_dim=head_dim,
+      num_encoder_layers=num_layers, num_decoder_layers=num_layers, mlp_dim=mlp_dim,
+      mlp_activations=('relu',), logits_via_embedding=True)
+
+
+NAMED_CONFIGS: dict[str, T5Config] = {
+    't5_1_1_small': _t5_1_1(512, 6, 8, 1024),
+    't5_1_1_base': _t5_1_1(768, 12, 12, 2048),
+    't5_1_1_large': _t5_1_1(1024, 16, 24, 2816),
+    't5_1_1_xl': _t5_1_1(2048, 32, 24, 5120),
+    't5_1_1_xxl': _t5_1_1(4096, 64, 24, 10240),
+    't5_small': _t5_1_0(512, 8, 64, 6, 2048),
+    't5_base': _t5_1_0(768, 12, 64, 12, 3072),
+    't5_large': _t5_1_0(1024, 16, 64, 24, 4096),
+    't5_3B': _t5_1_0(1024, 32, 128, 24, 16384),
+    't5_11B': _t5_1_0(1024, 128, 128, 24, 65536),
+    # Tiny configurations for tests: fast on CPU, both variants.
+    'test_tiny_1_1': T5Config(
+        vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, num_encoder_layers=2,
+        num_decoder_layers=2, mlp_dim=48, mlp_activations=('gelu', 'linear'),
+        logits_via_embedding=False),
+    'test_tiny_1_0': T5Config(
+        vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, num_encoder_layers=2,
+        num_decoder_layers=3, mlp_dim=48, mlp_activations=('relu',),
+        logits_via_embedding=True),
+}
+
+
+def get_config(name: str, **overrides) -> T5Config:
+  """Returns the named config, with fields replaced by `overrides` (e.g. dtype)."""
+  if name not in NAMED_CONFIGS:
+    raise KeyError(f'unknown model config {name!r}; known: {sorted(NAMED_CONFIGS)}')
+  return dataclasses.replace(NAMED_CONFIGS[name], **overrides)

@@ -1,0 +1,4 @@
+"""The T5 model: layers, the encoder-decoder and its functional decoder cache."""
+
+from jaxspec.model.cache import DecoderCache, LayerCache, repeat_rows, rollback
+from jaxspec.model.t5 import T5, abstract_params, init_params

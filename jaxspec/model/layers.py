@@ -1,0 +1,187 @@
+"""T5 building blocks with T5X's parameter names, shapes and logical axes.
+
+Shape letters: b batch, t query length, s key length, h heads, d head dim,
+e embed, f mlp, v vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+from flax.linen.partitioning import param_with_axes
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import T5Config
+
+NEG_INF = -1e10  # Additive mask value, as T5X.
+LAYER_NORM_EPSILON = 1e-6
+
+default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
+
+
+class RMSNorm(nn.Module):
+  """T5 layer norm: x * rsqrt(mean(x^2) + eps) * scale, computed in float32."""
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, x):  # [..., e] -> [..., e]
+    scale = param_with_axes('scale', nn.initializers.ones, (x.shape[-1],),
+                            jnp.dtype(self.config.param_dtype), axes=('embed',))
+    x = x.astype(jnp.float32)
+    variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    y = x * jax.lax.rsqrt(variance + LAYER_NORM_EPSILON)
+    return (y * scale.astype(jnp.float32)).astype(self.config.compute_dtype)
+
+
+class Dense(nn.Module):
+  """A bias-free projection whose kernel is stored 2-D [in_features, out_features]."""
+  features: int
+  kernel_axes: tuple[str, str]
+  config: T5Config
+  kernel_init: nn.initializers.Initializer = default_kernel_init
+  dtype: jnp.dtype | None = None  # Defaults to the config's compute dtype.
+
+  @nn.compact
+  def __call__(self, x):  # [..., in] -> [..., out]
+    dtype = self.dtype or self.config.compute_dtype
+    kernel = param_with_axes('kernel', self.kernel_init, (x.shape[-1], self.features),
+                             jnp.dtype(self.config.param_dtype), axes=self.kernel_axes)
+    return jnp.dot(x.astype(dtype), kernel.astype(dtype))
+
+
+class Embed(nn.Module):
+  """Token embedding table [vocab, embed]; `attend` gives tied logits."""
+  config: T5Config
+
+  def setup(self):
+    self.embedding = param_with_axes(
+        'embedding', nn.initializers.normal(stddev=1.0),
+        (self.config.vocab_size, self.config.emb_dim),
+        jnp.dtype(self.config.param_dtype), axes=('vocab', 'embed'))
+
+  def __call__(self, tokens):  # [b, t] int -> [b, t, e]
+    return jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_dtype)
+
+  def attend(self, x):  # [b, t, e] -> [b, t, v] float32
+    return jnp.dot(x.astype(jnp.float32), self.embedding.astype(jnp.float32).T)
+
+
+def relative_position_bucket(relative_position, bidirectional: bool,
+                             num_buckets: int = 32, max_distance: int = 128):
+  """Maps key_pos - query_pos to T5's relative position buckets (int32, same shape)."""
+  n = -jnp.asarray(relative_position, jnp.int32)
+  bucket = jnp.zeros_like(n)
+  if bidirectional:
+    num_buckets //= 2
+    bucket = bucket + (n < 0).astype(jnp.int32) * num_buckets
+    n = jnp.abs(n)
+  else:
+    n = jnp.maximum(n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  # Guard log(0); the exact branch covers n < max_exact anyway.
+  scaled = (jnp.log(jnp.maximum(n, 1).astype(jnp.float32) / max_exact + np.finfo(np.float32).eps)
+            / math.log(max_distance / max_exact) * (num_buckets - max_exact))
+  large = jnp.minimum(max_exact + scaled.astype(jnp.int32), num_buckets - 1)
+  return bucket + jnp.where(is_small, n, large)
+
+
+class RelativePositionBias(nn.Module):
+  """Per-head bias from relative position buckets; one table for all layers."""
+  bidirectional: bool
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, query_positions, key_positions):
+    """query_positions [b, t], key_positions [b, s] -> bias [b, h, t, s] float32."""
+    config = self.config
+    table = param_with_axes(
+        'rel_embedding', nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform'),
+        (config.num_heads, config.relative_attention_num_buckets),
+        jnp.dtype(config.param_dtype), axes=('heads', 'relpos_buckets'))
+    relative = key_positions[:, None, :] - query_positions[:, :, None]  # [b, t, s]
+    buckets = relative_position_bucket(
+        relative, self.bidirectional, config.relative_attention_num_buckets,
+        config.relative_attention_max_distance)
+    bias = jnp.take(table.astype(jnp.float32), buckets, axis=1)  # [h, b, t, s]
+    return jnp.transpose(bias, (1, 0, 2, 3))
+
+
+def attention_bias_from_mask(mask):
+  """Boolean mask [b, t, s] -> additive bias [b, 1, t, s] float32 (0 or NEG_INF)."""
+  return jnp.where(mask, 0.0, NEG_INF).astype(jnp.float32)[:, None, :, :]
+
+
+def dot_product_attention(query, key, value, bias):
+  """query [b,t,h,d], key/value [b,s,h,d], bias [b,h|1,t,s] -> [b,t,h,d].
+
+  No 1/sqrt(d) scaling: T5 folds it into the query initializer.
+  """
+  logits = jnp.einsum('bthd,bshd->bhts', query, key,
+                      preferred_element_type=jnp.float32)  # [b, h, t, s]
+  weights = jax.nn.softmax(logits + bias, axis=-1).astype(value.dtype)
+  return jnp.einsum('bhts,bshd->bthd', weights, value)
+
+
+class MultiHeadAttention(nn.Module):
+  """T5X's attention parameters: query/key/value [e, h*d] and out [h*d, e]."""
+  config: T5Config
+
+  def setup(self):
+    config = self.config
+    joined = config.num_heads * config.head_dim
+    depth_scaling = math.sqrt(config.head_dim)
+    base_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'normal')
+
+    def query_init(*args):
+      return base_init(*args) / depth_scaling
+
+    projection = functools.partial(Dense, features=joined, kernel_axes=('embed', 'joined_kv'),
+                                   config=config, kernel_init=base_init)
+    self.query = projection(kernel_init=query_init)
+    self.key = projection()
+    self.value = projection()
+    self.out = Dense(features=config.emb_dim, kernel_axes=('joined_kv', 'embed'),
+                     config=config, kernel_init=base_init)
+
+  def _split_heads(self, x):  # [b, t, h*d] -> [b, t, h, d]
+    return x.reshape(x.shape[:-1] + (self.config.num_heads, self.config.head_dim))
+
+  def project_query(self, x):
+    return self._split_heads(self.query(x))
+
+  def project_key_value(self, x):
+    """x [b, s, e] -> keys, values [b, s, h, d]."""
+    return self._split_heads(self.key(x)), self._split_heads(self.value(x))
+
+  def attend(self, query, keys, values, bias):
+    """query [b,t,h,d] against keys/values [b,s,h,d] with bias -> [b, t, e]."""
+    out = dot_product_attention(query, keys, values, bias)  # [b, t, h, d]
+    return self.out(out.reshape(out.shape[:2] + (-1,)))
+
+  def __call__(self, x, bias):
+    """Self-attention over x [b, t, e] without a cache (the encoder)."""
+    keys, values = self.project_key_value(x)
+    return self.attend(self.project_query(x), keys, values, bias)
+
+
+class MlpBlock(nn.Module):
+  """Gated GELU (wi_0, wi_1; T5.1.1) or ReLU (wi; T5 1.0), then wo."""
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, x):  # [b, t, e] -> [b, t, e]
+    config = self.config
+    dense_in = functools.partial(Dense, features=config.mlp_dim, kernel_axes=('embed', 'mlp'),
+                                 config=config)
+    if config.mlp_activations == ('relu',):
+      hidden = nn.relu(dense_in(name='wi')(x))
+    else:
+      hidden = (nn.gelu(dense_in(name='wi_0')(x), approximate=True)
+                * dense_in(name='wi_1')(x))
+    return Dense(features=config.emb_dim, kernel_axes=('mlp', 'embed'), config=config,
+                 name='wo')(hidden)

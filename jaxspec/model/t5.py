@@ -1,0 +1,189 @@
+"""The T5 encoder-decoder with a multi-position cached decode step.
+
+Parameter paths match T5X's examples network (`token_embedder`, `encoder/layers_{i}`,
+`decoder/layers_{i}`, `decoder/logits_dense`), so T5X checkpoints load as they are.
+
+Entry points (call with `T5(config).apply(params, ..., method=...)`):
+  encode(encoder_tokens)                         -> encoded [b, s, e]
+  init_cache(encoded, encoder_tokens, max_length) -> DecoderCache (cross K/V computed once)
+  decode(decoder_tokens [b, k], cache)           -> logits [b, k, v], cache
+  __call__(encoder_tokens, decoder_input_tokens) -> logits [b, t, v] (teacher forcing)
+
+`decode` takes k >= 1 new tokens per row at that row's own position
+`cache.end_index[b]`, writes their keys/values, and advances `end_index` by k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import T5Config
+from jaxspec.model import layers
+from jaxspec.model.cache import DecoderCache, LayerCache
+
+
+class EncoderLayer(nn.Module):
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, x, bias):  # x [b, s, e], bias [b, h, s, s]
+    y = layers.RMSNorm(self.config, name='pre_attention_layer_norm')(x)
+    x = x + layers.MultiHeadAttention(self.config, name='attention')(y, bias)
+    y = layers.RMSNorm(self.config, name='pre_mlp_layer_norm')(x)
+    return x + layers.MlpBlock(self.config, name='mlp')(y)
+
+
+class Encoder(nn.Module):
+  config: T5Config
+  embedder: nn.Module
+
+  @nn.compact
+  def __call__(self, encoder_tokens):  # [b, s] -> [b, s, e]
+    config = self.config
+    positions = jnp.broadcast_to(jnp.arange(encoder_tokens.shape[1]), encoder_tokens.shape)
+    bias = layers.RelativePositionBias(True, config, name='relpos_bias')(positions, positions)
+    mask = encoder_tokens > 0  # [b, s]
+    bias = bias + layers.attention_bias_from_mask(mask[:, None, :] & mask[:, :, None])
+    x = self.embedder(encoder_tokens)
+    for i in range(config.num_encoder_layers):
+      x = EncoderLayer(config, name=f'layers_{i}')(x, bias)
+    return layers.RMSNorm(config, name='encoder_norm')(x)
+
+
+class DecoderLayer(nn.Module):
+  config: T5Config
+
+  def setup(self):
+    config = self.config
+    self.pre_self_attention_layer_norm = layers.RMSNorm(config)
+    self.self_attention = layers.MultiHeadAttention(config)
+    self.pre_cross_attention_layer_norm = layers.RMSNorm(config)
+    self.encoder_decoder_attention = layers.MultiHeadAttention(config)
+    self.pre_mlp_layer_norm = layers.RMSNorm(config)
+    self.mlp = layers.MlpBlock(config)
+
+  def cross_key_value(self, encoded):
+    """encoded [b, s, e] -> cross-attention keys, values [b, s, h, d]."""
+    return self.encoder_decoder_attention.project_key_value(encoded)
+
+  def __call__(self, x, layer_cache: LayerCache, write_positions, self_bias, cross_bias):
+    """x [b, t, e]; write_positions [b, t]; biases [b, h|1, t, L] and [b, 1, t, s]."""
+    y = self.pre_self_attention_layer_norm(x)
+    new_keys, new_values = self.self_attention.project_key_value(y)  # [b, t, h, d]
+    rows = jnp.arange(x.shape[0])[:, None]  # [b, 1]
+    # Out-of-range positions are dropped rather than clamped onto valid slots.
+    keys = layer_cache.self_keys.at[rows, write_positions].set(
+        new_keys.astype(layer_cache.self_keys.dtype), mode='drop')
+    values = layer_cache.self_values.at[rows, write_positions].set(
+        new_values.astype(layer_cache.self_values.dtype), mode='drop')
+    x = x + self.self_attention.attend(
+        self.self_attention.project_query(y), keys, values, self_bias)
+    y = self.pre_cross_attention_layer_norm(x)
+    x = x + self.encoder_decoder_attention.attend(
+        self.encoder_decoder_attention.project_query(y), layer_cache.cross_keys,
+        layer_cache.cross_values, cross_bias)
+    y = self.pre_mlp_layer_norm(x)
+    x = x + self.mlp(y)
+    return x, layer_cache.replace(self_keys=keys, self_values=values)
+
+
+class Decoder(nn.Module):
+  config: T5Config
+  embedder: nn.Module
+
+  def setup(self):
+    config = self.config
+    self.relpos_bias = layers.RelativePositionBias(False, config)
+    self.layers = [DecoderLayer(config, name=f'layers_{i}')
+                   for i in range(config.num_decoder_layers)]
+    self.decoder_norm = layers.RMSNorm(config)
+    if not config.logits_via_embedding:
+      self.logits_dense = layers.Dense(
+          features=config.vocab_size, kernel_axes=('embed', 'vocab'), config=config,
+          dtype=jnp.float32)
+
+  def init_cache(self, encoded, encoder_tokens, max_length: int) -> DecoderCache:
+    config = self.config
+    batch = encoded.shape[0]
+    self_shape = (batch, max_length, config.num_heads, config.head_dim)
+    layer_caches = []
+    for layer in self.layers:
+      cross_keys, cross_values = layer.cross_key_value(encoded)
+      layer_caches.append(LayerCache(
+          self_keys=jnp.zeros(self_shape, config.compute_dtype),
+          self_values=jnp.zeros(self_shape, config.compute_dtype),
+          cross_keys=cross_keys, cross_values=cross_values))
+    return DecoderCache(layers=tuple(layer_caches), encoder_mask=encoder_tokens > 0,
+                        end_index=jnp.zeros((batch,), jnp.int32))
+
+  def __call__(self, decoder_tokens, cache: DecoderCache):
+    """decoder_tokens [b, t] -> logits [b, t, v] float32, updated cache."""
+    num_new = decoder_tokens.shape[1]
+    query_positions = cache.end_index[:, None] + jnp.arange(num_new)[None, :]  # [b, t]
+    key_positions = jnp.broadcast_to(jnp.arange(cache.max_length),
+                                     (cache.batch_size, cache.max_length))  # [b, L]
+    # Causal: a query sees cached positions and new ones up to itself; slots past it
+    # (stale after a rollback, or never written) are masked.
+    causal = key_positions[:, None, :] <= query_positions[:, :, None]  # [b, t, L]
+    self_bias = (self.relpos_bias(query_positions, key_positions)
+                 + layers.attention_bias_from_mask(causal))  # [b, h, t, L]
+    cross_bias = layers.attention_bias_from_mask(
+        jnp.broadcast_to(cache.encoder_mask[:, None, :],
+                         (cache.batch_size, num_new, cache.encoder_mask.shape[1])))
+    x = self.embedder(decoder_tokens)
+    new_layer_caches = []
+    for layer, layer_cache in zip(self.layers, cache.layers):
+      x, layer_cache = layer(x, layer_cache, query_positions, self_bias, cross_bias)
+      new_layer_caches.append(layer_cache)
+    x = self.decoder_norm(x)
+    if self.config.logits_via_embedding:
+      logits = self.embedder.attend(x) / math.sqrt(x.shape[-1])
+    else:
+      logits = self.logits_dense(x)
+    new_cache = cache.replace(layers=tuple(new_layer_caches),
+                              end_index=cache.end_index + num_new)
+    return logits, new_cache
+
+
+class T5(nn.Module):
+  config: T5Config
+
+  def setup(self):
+    self.token_embedder = layers.Embed(self.config)
+    self.encoder = Encoder(self.config, self.token_embedder)
+    self.decoder = Decoder(self.config, self.token_embedder)
+
+  def encode(self, encoder_tokens):
+    """encoder_tokens [b, s] int32 (0 = padding) -> encoded [b, s, e]."""
+    return self.encoder(encoder_tokens)
+
+  def init_cache(self, encoded, encoder_tokens, max_length: int) -> DecoderCache:
+    """An empty cache of `max_length` decoder positions with cross K/V of `encoded`."""
+    return self.decoder.init_cache(encoded, encoder_tokens, max_length)
+
+  def decode(self, decoder_tokens, cache: DecoderCache):
+    """decoder_tokens [b, k] at positions cache.end_index[b] + 0..k-1 -> logits, cache."""
+    return self.decoder(decoder_tokens, cache)
+
+  def __call__(self, encoder_tokens, decoder_input_tokens):
+    """Teacher-forced logits [b, t, v] for decoder inputs [b, t] (shifted right)."""
+    encoded = self.encode(encoder_tokens)
+    cache = self.init_cache(encoded, encoder_tokens, decoder_input_tokens.shape[1])
+    logits, _ = self.decode(decoder_input_tokens, cache)
+    return logits
+
+
+def init_params(config: T5Config, rng, encoder_length: int = 8, decoder_length: int = 8):
+  """Randomly initialized variables {'params', 'params_axes'} for `config`."""
+  encoder_tokens = jnp.ones((1, encoder_length), jnp.int32)
+  decoder_tokens = jnp.ones((1, decoder_length), jnp.int32)
+  return T5(config).init(rng, encoder_tokens, decoder_tokens)
+
+
+def abstract_params(config: T5Config):
+  """Shapes and dtypes of the variables, without allocating them."""
+  return jax.eval_shape(lambda rng: init_params(config, rng), jax.random.PRNGKey(0))
