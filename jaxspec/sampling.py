@@ -1,0 +1,176 @@
+"""Standardized sampling and the speculative accept/resample rule.
+
+Every sampling method is cast as sampling from an adjusted distribution (paper 2.2):
+`standardize` turns logits into probabilities after temperature, top-k and top-p,
+and argmax (temperature <= MIN_TEMPERATURE) becomes a one-hot distribution. The
+target's p and the drafter's q go through the same `standardize`, so the accept rule
+below keeps the target's distribution exactly (paper Appendix A.1).
+
+Shape letters: b batch, g gamma (drafted positions), v vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+MIN_TEMPERATURE = 1e-4  # At or below this temperature sampling is argmax, as in T5X.
+NEG_INF = -1e10
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How a token is drawn from logits. Hashable: a static argument of jit."""
+
+  temperature: float = 0.0  # <= MIN_TEMPERATURE means argmax.
+  top_k: int = 0  # Keep the k most likely tokens; 0 keeps all.
+  top_p: float = 1.0  # Keep the smallest set with mass >= top_p; 1.0 keeps all.
+
+  def __post_init__(self):
+    if not self.temperature >= 0.0:
+      raise ValueError(f'temperature must be >= 0, got {self.temperature}')
+    if self.top_k < 0:
+      raise ValueError(f'top_k must be >= 0 (0 disables it), got {self.top_k}')
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f'top_p must be in (0, 1] (1 disables it), got {self.top_p}')
+
+  @property
+  def is_greedy(self) -> bool:
+    return self.temperature <= MIN_TEMPERATURE
+
+
+def _top_k_mask(logits, k: int):
+  """logits [..., v] -> same, with all but the k largest set to NEG_INF (ties kept)."""
+  if k <= 0 or k >= logits.shape[-1]:
+    return logits
+  kth_largest = jax.lax.top_k(logits, k)[0][..., -1:]  # [..., 1]
+  return jnp.where(logits < kth_largest, NEG_INF, logits)
+
+
+def _top_p_mask(logits, top_p: float):
+  """Keeps the most likely tokens until their mass reaches top_p (always >= 1 token)."""
+  if top_p >= 1.0:
+    return logits
+  sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]  # [..., v] descending
+  sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+  # The cutoff is the smallest logit whose preceding mass is still below top_p.
+  kept = mass_before < top_p
+  cutoff = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(logits < cutoff, NEG_INF, logits)
+
+
+def adjusted_logits(logits, config: SamplingConfig):
+  """logits [..., v] -> float32 logits after temperature, top-k and top-p."""
+  logits = logits.astype(jnp.float32) / max(config.temperature, MIN_TEMPERATURE)
+  return _top_p_mask(_top_k_mask(logits, config.top_k), config.top_p)
+
+
+def standardize(logits, config: SamplingConfig):
+  """logits [..., v] -> the distribution actually sampled from, probs [..., v] float32."""
+  if config.is_greedy:
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  return jax.nn.softmax(adjusted_logits(logits, config), axis=-1)
+
+
+def sample_logits(rng, logits, config: SamplingConfig):
+  """Draws tokens [...] from logits [..., v] under `config` (argmax when greedy)."""
+  if config.is_greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(rng, adjusted_logits(logits, config)).astype(jnp.int32)
+
+
+def sample_probs(rng, probs):
+  """Draws tokens [...] from probabilities [..., v] (zero entries are never drawn)."""
+  safe_log = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
+  return jax.random.categorical(rng, safe_log).astype(jnp.int32)
+
+
+def token_log_probs(logits, tokens, config: SamplingConfig, rescale: bool = True):
+  """Log-probability [...] of `tokens` [...] under logits [..., v], as T5X reports it.
+
+  rescale=True: under the adjusted distribution actually sampled from (0 for argmax);
+  rescale=False: under the raw softmax of the logits.
+  """
+  if rescale and config.is_greedy:
+    return jnp.zeros(tokens.shape, jnp.float32)
+  source = adjusted_logits(logits, config) if rescale else logits.astype(jnp.float32)
+  log_probs = jax.nn.log_softmax(source, axis=-1)
+  return jnp.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]
+
+
+def gather_probs(probs, tokens):
+  """probs [..., v], tokens [...] -> probs[..., token] [...]."""
+  return jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
+
+
+def residual_distribution(target_probs, draft_probs, lenience: float = 1.0):
+  """norm(max(0, p - l*q)) [..., v]; falls back to p where that is all zero.
+
+  The fallback only matters when rounding leaves no mass (p == q up to float error),
+  where a rejection has probability ~0 anyway.
+  """
+  residual = jnp.maximum(target_probs - lenience * draft_probs, 0.0)
+  total = jnp.sum(residual, axis=-1, keepdims=True)
+  return jnp.where(total > 1e-12, residual / jnp.maximum(total, 1e-30), target_probs)
+
+
+def acceptance_probability(target_probs, draft_probs, draft_tokens,
+                           lenience: float = 1.0, raw_target_probs=None):
+  """Probability [b, g] of accepting each drafted token.
+
+  target_probs, draft_probs [b, g, v] are standardized; draft_tokens [b, g].
+  Exact rule (lenience 1): min(1, p(x) / q(x)). With lenience l < 1 (paper A.5):
+  min(1, p(x) / (l q(x))) when sampling, and, for argmax, accept when
+  raw_p(x) >= l * max(raw_p), where raw_target_probs [b, g, v] is the softmax of
+  the target's logits before standardization. Lenience changes the output.
+  """
+  p = gather_probs(target_probs, draft_tokens)
+  q = gather_probs(draft_probs, draft_tokens)
+  if raw_target_probs is not None and lenience < 1.0:
+    raw_p = gather_probs(raw_target_probs, draft_tokens)
+    return (raw_p >= lenience * jnp.max(raw_target_probs, axis=-1)).astype(jnp.float32)
+  scaled_q = lenience * q
+  return jnp.where(scaled_q <= p, 1.0, p / jnp.maximum(scaled_q, 1e-30))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Verdict:
+  """Outcome of one speculative sampling step for each row."""
+  num_accepted: jax.Array  # [b] int32 in 0..g, drafts accepted before the first rejection
+  next_token: jax.Array  # [b] int32, residual sample at the rejection, or the bonus token
+  accept_probability: jax.Array  # [b, g] float32, min(1, p/q) per drafted position
+  overlap: jax.Array  # [b, g] float32, sum_x min(p(x), q(x)) per drafted position (beta)
+
+
+def speculative_verdict(rng, draft_tokens, draft_probs, target_probs,
+                        lenience: float = 1.0, raw_target_probs=None) -> Verdict:
+  """Algorithm 1's accept/resample step.
+
+  draft_tokens [b, g]; draft_probs [b, g, v] (q recorded at draft time);
+  target_probs [b, g+1, v] (p at each drafted position plus the bonus position).
+  Returns n accepted drafts per row and the token that follows them: sampled from
+  norm(max(0, p_{n+1} - q_{n+1})) after a rejection, from p_{g+1} if all are accepted.
+  """
+  gamma = draft_tokens.shape[1]
+  accept_rng, resample_rng = jax.random.split(rng)
+  accept_prob = acceptance_probability(
+      target_probs[:, :gamma], draft_probs, draft_tokens, lenience,
+      None if raw_target_probs is None else raw_target_probs[:, :gamma])
+  uniform = jax.random.uniform(accept_rng, accept_prob.shape)
+  rejected = uniform >= accept_prob  # [b, g]; accept_prob == 1 never rejects.
+  # n = index of the first rejection, or gamma if none.
+  num_accepted = jnp.where(jnp.any(rejected, axis=1), jnp.argmax(rejected, axis=1), gamma)
+  num_accepted = num_accepted.astype(jnp.int32)
+  # p_{n+1}, and q_{n+1} padded with zeros at the bonus position (so p' = p there).
+  padded_draft_probs = jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0)))  # [b, g+1, v]
+  p_next = jnp.take_along_axis(target_probs, num_accepted[:, None, None], axis=1)[:, 0]
+  q_next = jnp.take_along_axis(padded_draft_probs, num_accepted[:, None, None], axis=1)[:, 0]
+  next_probs = residual_distribution(p_next, q_next, lenience)  # [b, v]
+  next_token = sample_probs(resample_rng, next_probs)
+  overlap = jnp.sum(jnp.minimum(target_probs[:, :gamma], draft_probs), axis=-1)
+  return Verdict(num_accepted=num_accepted, next_token=next_token,
+                 accept_probability=accept_prob, overlap=overlap)
