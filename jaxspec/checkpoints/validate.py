@@ -1,0 +1,53 @@
+"""Checks a params tree against the tree `init_params` would create for a config."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+import flax.traverse_util
+import numpy as np
+
+from jaxspec.config import T5Config
+from jaxspec.model import abstract_params
+
+
+def flatten_params(params: Mapping[str, Any]) -> dict[str, Any]:
+  """Nested params -> {'encoder/layers_0/attention/query/kernel': leaf, ...}."""
+  return flax.traverse_util.flatten_dict(dict(params), sep='/')
+
+
+@functools.lru_cache(maxsize=16)
+def expected_shapes(config: T5Config) -> dict[str, tuple[int, ...]]:
+  """The '/'-path -> shape of every parameter of `config`, without allocating any."""
+  flat = flatten_params(abstract_params(config)['params'])
+  return {path: tuple(leaf.shape) for path, leaf in flat.items()}
+
+
+def _shape(leaf) -> tuple[int, ...]:
+  return tuple(leaf.shape) if hasattr(leaf, 'shape') else np.shape(leaf)
+
+
+def check_params(params: Mapping[str, Any], config: T5Config,
+                 sources: Mapping[str, str] | None = None) -> None:
+  """Raises ValueError unless `params` has exactly the paths and shapes of `config`.
+
+  `params` is the nested 'params' collection (or {'params': ...}); leaves are any
+  arrays (numpy, jax, ShapeDtypeStruct). The error names the first path, in sorted
+  order, that is missing, unexpected or of the wrong shape, with both shapes.
+  `sources` optionally maps a path to where its value came from, for the message.
+  """
+  if set(params) == {'params'}:
+    params = params['params']
+  actual = {path: _shape(leaf) for path, leaf in flatten_params(params).items()}
+  expected = expected_shapes(config)
+  sources = sources or {}
+  for path in sorted(set(actual) | set(expected)):
+    origin = f' (from {sources[path]!r})' if path in sources else ''
+    if path not in actual:
+      raise ValueError(f'params: missing {path!r} (expected shape {expected[path]})')
+    if path not in expected:
+      raise ValueError(f'params: unexpected {path!r}{origin} of shape {actual[path]}')
+    if actual[path] != expected[path]:
+      raise ValueError(f'params: {path!r}{origin} has shape {actual[path]}, '
+                       f'the config expects {expected[path]}')

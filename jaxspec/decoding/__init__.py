@@ -1,0 +1,1 @@
+"""Decoders: the baseline (one token per step) and speculative decoding."""

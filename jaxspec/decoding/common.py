@@ -1,0 +1,43 @@
+"""What the baseline and the speculative decoder share: outputs and per-row keys."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class DecodeOutput:
+  tokens: jax.Array  # [b, max_decode_length] int32, 0 after the first EOS
+  token_log_probs: jax.Array  # [b, max_decode_length] float32, 0 after the end
+  log_prob: jax.Array  # [b] float32, sum of token_log_probs
+  lengths: jax.Array  # [b] int32, tokens up to and including the first EOS
+
+  @classmethod
+  def from_tokens(cls, tokens, token_log_probs, eos_id: int) -> 'DecodeOutput':
+    return cls(tokens=tokens, token_log_probs=token_log_probs,
+               log_prob=jnp.sum(token_log_probs, axis=1),
+               lengths=sequence_lengths(tokens, eos_id))
+
+
+def sequence_lengths(tokens, eos_id: int):
+  """tokens [b, L] -> [b] number of tokens up to and including the first EOS (or L)."""
+  is_eos = tokens == eos_id
+  first_eos = jnp.argmax(is_eos, axis=1)
+  return jnp.where(jnp.any(is_eos, axis=1), first_eos + 1, tokens.shape[1]).astype(jnp.int32)
+
+
+def row_keys(rng, batch: int):
+  """One PRNG key per row: fold_in(rng, row) for a single key, or the given [b] keys.
+
+  A row's samples depend only on its own key, never on the other rows of the batch.
+  """
+  if rng is None:
+    rng = jax.random.PRNGKey(0)
+  rng = jnp.asarray(rng)
+  if rng.ndim == 2 or (jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.ndim == 1):
+    if rng.shape[0] != batch:
+      raise ValueError(f'got {rng.shape[0]} per-row PRNG keys for a batch of {batch}')
+    return rng
+  return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(batch))

@@ -1,0 +1,246 @@
+"""Speculative decoding (Algorithm 1) for T5, as one jit-compiled while loop.
+
+Each iteration, for every row independently:
+  1. the drafter proposes gamma tokens d_1..d_g with their standardized q;
+  2. the target scores [x_length, d_1..d_g] in ONE cached decode step (g+1 positions
+     at the row's own cache offset), giving p_1..p_{g+1};
+  3. speculative sampling accepts n drafts and draws the next token (residual
+     sample at the first rejection, bonus sample from p_{g+1} if all pass);
+  4. d_1..d_n and the next token are committed (clipped at EOS and the max length);
+     both caches are rolled back by index at their next use.
+
+Before the loop one ordinary target step draws the first token, so every
+iteration starts with >= 1 committed token (the drafter's two-input first step needs
+x_{length-1}).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import EOS_ID, T5Config
+from jaxspec.decoding import common
+from jaxspec.decoding.drafters import DraftContext, Drafter, draw_tokens
+from jaxspec.model import T5, DecoderCache, rollback
+from jaxspec.sampling import SamplingConfig, gather_probs, speculative_verdict, standardize
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+  """Static settings of speculative decoding."""
+  gamma: int = 4  # Drafted tokens per target call.
+  # Lenience l in (0, 1] (paper A.5). 1 is exact; l < 1 CHANGES THE OUTPUT: it accepts
+  # more drafts (for sampling, p/(l q); for argmax, p(x) >= l max p).
+  lenience: float = 1.0
+
+  def __post_init__(self):
+    if self.gamma < 1:
+      raise ValueError(f'gamma must be >= 1, got {self.gamma}')
+    if not 0.0 < self.lenience <= 1.0:
+      raise ValueError(f'lenience must be in (0, 1] (1 is exact), got {self.lenience}')
+
+
+@flax.struct.dataclass
+class SpeculativeStats:
+  """Per-call statistics; arrays with a batch axis are per row."""
+  target_calls: jax.Array  # [] target decode steps run (the first-token step included)
+  draft_calls: jax.Array  # [] drafter proposals run, times gamma (draft decode steps)
+  row_target_calls: jax.Array  # [b] target steps while the row was still decoding
+  accepted_per_position: jax.Array  # [g] times the draft at position i was accepted
+  num_accepted_counts: jax.Array  # [g+1] iterations that accepted n = 0..g drafts
+  overlap_sum: jax.Array  # [] sum over verified positions of sum_x min(p, q)
+  verified_positions: jax.Array  # [] number of verified drafted positions
+
+  @property
+  def alpha(self):
+    """Corollary 3.6's estimate of E[beta] over the verified positions."""
+    return self.overlap_sum / jnp.maximum(self.verified_positions, 1)
+
+  def tokens_per_target_call(self, lengths):
+    return jnp.sum(lengths) / jnp.maximum(jnp.sum(self.row_target_calls), 1)
+
+
+@flax.struct.dataclass
+class SpeculativeOutput:
+  output: common.DecodeOutput
+  stats: SpeculativeStats
+
+
+@flax.struct.dataclass
+class _LoopState:
+  tokens: jax.Array  # [b, L] committed tokens
+  token_log_probs: jax.Array  # [b, L] log p of each committed token (0 when argmax)
+  length: jax.Array  # [b] committed count
+  done: jax.Array  # [b] bool
+  target_cache: DecoderCache
+  drafter_state: Any
+  row_keys: jax.Array  # [b]
+  iteration: jax.Array  # []
+  stats: SpeculativeStats
+
+
+def _log_prob_of(probs, tokens, sampling: SamplingConfig):
+  """log of standardized probs at tokens (T5X's rescaled log-prob; 0 for argmax)."""
+  if sampling.is_greedy:
+    return jnp.zeros(tokens.shape, jnp.float32)
+  return jnp.log(jnp.maximum(gather_probs(probs, tokens), 1e-38))
+
+
+def _commit(state: _LoopState, candidates, candidate_log_probs, count, eos_id: int):
+  """Writes candidates[:, :count] after each row's committed tokens.
+
+  candidates [b, c]; count [b] (0 for finished rows). Stops at the first EOS and at
+  the buffer's end. Returns (tokens, log_probs, new_length, done).
+  """
+  max_length = state.tokens.shape[1]
+  offsets = jnp.arange(candidates.shape[1])[None, :]  # [1, c]
+  is_eos = (candidates == eos_id) & (offsets < count[:, None])
+  first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, count)
+  count = jnp.minimum(jnp.minimum(count, first_eos), max_length - state.length)
+  positions = state.length[:, None] + offsets  # [b, c]
+  positions = jnp.where(offsets < count[:, None], positions, max_length)  # dropped
+  rows = jnp.arange(candidates.shape[0])[:, None]
+  tokens = state.tokens.at[rows, positions].set(candidates, mode='drop')
+  log_probs = state.token_log_probs.at[rows, positions].set(candidate_log_probs, mode='drop')
+  new_length = state.length + count
+  done = state.done | jnp.any(is_eos & (offsets < count[:, None]), axis=1) | (
+      new_length >= max_length)
+  return tokens, log_probs, new_length, done
+
+
+def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens, *,
+               target_config: T5Config, drafter: Drafter, spec: SpeculativeConfig,
+               sampling: SamplingConfig, eos_id: int) -> _LoopState:
+  gamma = spec.gamma
+  model = T5(target_config)
+  keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.row_keys, state.iteration)
+  keys = jax.vmap(lambda k: jax.random.split(k, 2))(keys)  # [b, 2]
+  draft_keys, verdict_keys = keys[:, 0], keys[:, 1]
+
+  context = DraftContext(tokens=state.tokens, length=state.length,
+                         encoder_tokens=encoder_tokens)
+  drafts, draft_probs, drafter_state = drafter.propose(
+      drafter_params, state.drafter_state, context, gamma, sampling, draft_keys)
+
+  # Verify: x_length (the last committed token) and the drafts, at the row's offset.
+  last_token = context.last_two_inputs()[:, 1:]  # [b, 1]
+  verify_tokens = jnp.concatenate([last_token, drafts], axis=1)  # [b, g+1]
+  target_cache = rollback(state.target_cache, state.length)
+  logits, target_cache = model.apply(target_params, verify_tokens, target_cache,
+                                     method=T5.decode)  # [b, g+1, v]
+  target_probs = standardize(logits, sampling)
+  raw_target_probs = None
+  if sampling.is_greedy and spec.lenience < 1.0:
+    raw_target_probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
+  verdict = jax.vmap(
+      lambda k, d, q, p, r: jax.tree_util.tree_map(
+          lambda x: x[0], speculative_verdict(k, d[None], q[None], p[None], spec.lenience,
+                                              None if r is None else r[None])),
+      in_axes=(0, 0, 0, 0, None if raw_target_probs is None else 0))(
+          verdict_keys, drafts, draft_probs, target_probs, raw_target_probs)
+  n = verdict.num_accepted  # [b]
+
+  offsets = jnp.arange(gamma + 1)[None, :]
+  padded_drafts = jnp.pad(drafts, ((0, 0), (0, 1)))
+  candidates = jnp.where(offsets < n[:, None], padded_drafts,
+                         jnp.where(offsets == n[:, None], verdict.next_token[:, None], 0))
+  candidate_log_probs = _log_prob_of(target_probs, candidates, sampling)
+  active = ~state.done
+  count = jnp.where(active, n + 1, 0)
+  tokens, log_probs, length, done = _commit(state, candidates, candidate_log_probs, count,
+                                            eos_id)
+
+  stats = state.stats
+  positions = jnp.arange(gamma)[None, :]
+  verified = (positions <= n[:, None]) & active[:, None]  # [b, g] accept test was run
+  accepted = (positions < n[:, None]) & active[:, None]
+  stats = stats.replace(
+      target_calls=stats.target_calls + 1,
+      draft_calls=stats.draft_calls + gamma,
+      row_target_calls=stats.row_target_calls + active.astype(jnp.int32),
+      accepted_per_position=stats.accepted_per_position + jnp.sum(accepted, axis=0),
+      num_accepted_counts=stats.num_accepted_counts + jnp.sum(
+          jax.nn.one_hot(n, gamma + 1, dtype=jnp.int32) * active[:, None], axis=0),
+      overlap_sum=stats.overlap_sum + jnp.sum(jnp.where(verified, verdict.overlap, 0.0)),
+      verified_positions=stats.verified_positions + jnp.sum(verified))
+  return state.replace(tokens=tokens, token_log_probs=log_probs, length=length, done=done,
+                       target_cache=target_cache, drafter_state=drafter_state,
+                       iteration=state.iteration + 1, stats=stats)
+
+
+def check_compatible(target_config: T5Config, drafter: Drafter):
+  if drafter.vocab_size != target_config.vocab_size:
+    raise ValueError(
+        f'draft and target vocabularies differ: the drafter has vocab_size '
+        f'{drafter.vocab_size}, the target {target_config.vocab_size}; speculative '
+        'decoding needs both over the same token ids')
+
+
+def _first_token(target_params, encoder_tokens, row_keys, *, target_config, cache_length,
+                 max_decode_length, sampling, gamma, eos_id):
+  """Encodes once, runs one ordinary target step and builds the loop state (minus drafter)."""
+  model = T5(target_config)
+  batch = encoder_tokens.shape[0]
+  encoded = model.apply(target_params, encoder_tokens, method=T5.encode)
+  cache = model.apply(target_params, encoded, encoder_tokens, cache_length,
+                      method=T5.init_cache)
+  logits, cache = model.apply(target_params, jnp.zeros((batch, 1), jnp.int32), cache,
+                              method=T5.decode)
+  probs = standardize(logits[:, 0], sampling)
+  # Key 0 of each row draws the first token; iterations use keys 1, 2, ...
+  first_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, 0)
+  first = draw_tokens(first_keys, probs, sampling)
+  tokens = jnp.zeros((batch, max_decode_length), jnp.int32).at[:, 0].set(first)
+  log_probs = jnp.zeros((batch, max_decode_length), jnp.float32).at[:, 0].set(
+      _log_prob_of(probs, first, sampling))
+  done = (first == eos_id) | (max_decode_length <= 1)
+  stats = SpeculativeStats(
+      target_calls=jnp.ones((), jnp.int32), draft_calls=jnp.zeros((), jnp.int32),
+      row_target_calls=jnp.ones((batch,), jnp.int32),
+      accepted_per_position=jnp.zeros((gamma,), jnp.int32),
+      num_accepted_counts=jnp.zeros((gamma + 1,), jnp.int32),
+      overlap_sum=jnp.zeros((), jnp.float32), verified_positions=jnp.zeros((), jnp.int32))
+  return tokens, log_probs, done, cache, stats
+
+
+@functools.partial(jax.jit, static_argnames=(
+    'target_config', 'drafter', 'spec', 'max_decode_length', 'sampling', 'eos_id'))
+def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None, *,
+                         target_config: T5Config, drafter: Drafter,
+                         spec: SpeculativeConfig, max_decode_length: int,
+                         sampling: SamplingConfig = SamplingConfig(),
+                         eos_id: int = EOS_ID) -> SpeculativeOutput:
+  """Decodes encoder_tokens [b, s] from the target, with the drafter proposing.
+
+  The output distribution is the target's under `sampling` (token for token the
+  baseline's when argmax), for any drafter, as long as spec.lenience == 1.
+  rng: one PRNG key (row b uses fold_in(rng, b)) or per-row keys [b].
+  """
+  check_compatible(target_config, drafter)
+  batch = encoder_tokens.shape[0]
+  row_keys = common.row_keys(rng, batch)
+  # Room for a full verify window even from the last position; writes past it drop.
+  cache_length = max_decode_length + spec.gamma
+  tokens, log_probs, done, target_cache, stats = _first_token(
+      target_params, encoder_tokens, row_keys, target_config=target_config,
+      cache_length=cache_length, max_decode_length=max_decode_length, sampling=sampling,
+      gamma=spec.gamma, eos_id=eos_id)
+  initial = _LoopState(
+      tokens=tokens, token_log_probs=log_probs, length=jnp.ones((batch,), jnp.int32),
+      done=done, target_cache=target_cache,
+      drafter_state=drafter.init_state(drafter_params, encoder_tokens, cache_length),
+      row_keys=row_keys, iteration=jnp.ones((), jnp.int32), stats=stats)
+  body = functools.partial(
+      _iteration, target_params=target_params, drafter_params=drafter_params,
+      encoder_tokens=encoder_tokens, target_config=target_config, drafter=drafter,
+      spec=spec, sampling=sampling, eos_id=eos_id)
+  final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, initial)
+  output = common.DecodeOutput.from_tokens(final.tokens, final.token_log_probs, eos_id)
+  return SpeculativeOutput(output=output, stats=final.stats)
