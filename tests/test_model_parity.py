@@ -289,3 +289,50 @@ def test_config_from_hf_names_missing_field():
   del config['d_model']
   with pytest.raises(ValueError, match="lacks 'd_model'"):
     config_from_hf(config)
+
+
+def hf_greedy(model, encoder_tokens, length):
+  """transformers' greedy generate, start token dropped, padded to `length`."""
+  with torch.no_grad():
+    tokens = model.generate(
+        input_ids=torch.tensor(encoder_tokens), attention_mask=torch.tensor(encoder_tokens > 0),
+        do_sample=False, num_beams=1, max_new_tokens=length, min_length=0,
+        decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
+        # transformers sizes its cache by the encoder depth; this decoder is deeper.
+        use_cache=False).numpy()[:, 1:]
+  padded = np.zeros((len(tokens), length), np.int32)
+  padded[:, :tokens.shape[1]] = tokens
+  return padded
+
+
+def output_embedding(model):
+  return model.lm_head.weight if model.lm_head.weight is not None else model.shared.weight
+
+
+def test_baseline_greedy_equals_transformers_generate(pair):
+  """jaxspec's baseline decoder against transformers' greedy generate, same weights.
+
+  The model is edited so the comparison covers varied tokens and an early EOS: the
+  embedding is scaled down and the padding token's output row zeroed (random tiny
+  models otherwise repeat their input token or emit 0 forever), then the output rows of EOS and of a token row 0 emits mid-sequence are swapped,
+  so that row ends early while the others run on.
+  """
+  import copy
+  from jaxspec.decoding.baseline import generate
+  length = 20
+  model = copy.deepcopy(pair.hf_model)
+  with torch.no_grad():
+    model.shared.weight *= 0.2
+    weights = output_embedding(model)
+    weights[0] = 0.0
+    first = hf_greedy(model, pair.encoder_tokens, length)[0]
+    token = next(t for i, t in enumerate(first) if i >= 4 and t > 1 and t not in first[:i])
+    weights[[1, token]] = weights[[token, 1]].clone()
+  expected = hf_greedy(model, pair.encoder_tokens, length)
+  assert (expected[0] == 1).any() and not (expected == 1).all(axis=None)
+  assert (expected[:, 0] != 0).all()
+  config = config_from_hf(model.config.to_dict())
+  variables = {'params': params_from_hf(numpy_state_dict(model), config)}
+  out = generate(variables, jnp.asarray(pair.encoder_tokens), config=config,
+                 max_decode_length=length)
+  np.testing.assert_array_equal(np.asarray(out.tokens), expected)
