@@ -6,6 +6,10 @@ decoding calls `propose` once; it sees the committed prefix through a DraftConte
 and returns gamma tokens with the standardized distribution q each was drawn from.
 Deterministic drafters return one-hot q.
 
+Drafters: T5Drafter (here); UnigramDrafter, BigramDrafter with fit_unigram and
+fit_bigram (ngram.py); PromptLookupDrafter (prompt_lookup.py). All are importable
+from this module.
+
 Positions: the decoder input sequence is x_0 = 0 (start), x_j = tokens[j-1]. With
 `length` committed tokens the next token to predict is tokens[length], from the
 prefix x_0..x_length.
@@ -14,6 +18,7 @@ prefix x_0..x_length.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any, Protocol
 
 import flax.struct
@@ -108,3 +113,21 @@ class T5Drafter:
     tokens = jnp.concatenate([token[:, None], jnp.swapaxes(rest_tokens, 0, 1)], axis=1)
     all_probs = jnp.concatenate([probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
     return tokens, all_probs, cache
+
+
+# The table and lookup drafters live in their own modules (ngram, prompt_lookup), which
+# import DraftContext and draw_tokens from here; they are re-exported on first access
+# (PEP 562) so that importing either module first cannot hit a circular import.
+_REEXPORTED = {
+    'UnigramDrafter': 'jaxspec.decoding.ngram',
+    'BigramDrafter': 'jaxspec.decoding.ngram',
+    'fit_unigram': 'jaxspec.decoding.ngram',
+    'fit_bigram': 'jaxspec.decoding.ngram',
+    'PromptLookupDrafter': 'jaxspec.decoding.prompt_lookup',
+}
+
+
+def __getattr__(name: str):
+  if name in _REEXPORTED:
+    return getattr(importlib.import_module(_REEXPORTED[name]), name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
