@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common
-from jaxspec.decoding.drafters import DraftContext, Drafter, draw_tokens
+from jaxspec.decoding.drafter import DraftContext, Drafter, draw_tokens
 from jaxspec.model import T5, DecoderCache, rollback
 from jaxspec.sampling import SamplingConfig, gather_probs, speculative_verdict, standardize
 

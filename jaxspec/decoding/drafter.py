@@ -1,0 +1,68 @@
+"""The drafter interface: what proposes gamma tokens for the target to verify.
+
+A drafter is a frozen dataclass (hashable, static under jit) whose learned or
+fitted tables live in a separate `params` pytree. Each iteration of speculative
+decoding calls `propose` once; it sees the committed prefix through a DraftContext
+and returns gamma tokens with the standardized distribution q each was drawn from.
+Deterministic drafters return one-hot q.
+
+Implementations: T5Drafter (t5_drafter.py); UnigramDrafter, BigramDrafter with
+fit_unigram and fit_bigram (ngram.py); PromptLookupDrafter (prompt_lookup.py). All
+are importable from `jaxspec.decoding.drafters`.
+
+Positions: the decoder input sequence is x_0 = 0 (start), x_j = tokens[j-1]. With
+`length` committed tokens the next token to predict is tokens[length], from the
+prefix x_0..x_length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxspec.sampling import SamplingConfig, sample_probs
+
+
+@flax.struct.dataclass
+class DraftContext:
+  """The committed state a drafter conditions on."""
+  tokens: jax.Array  # [b, max_decode_length] committed output tokens, 0 past `length`
+  length: jax.Array  # [b] int32 >= 1, number of committed tokens
+  encoder_tokens: jax.Array  # [b, s] int32, 0 = padding
+
+  def last_two_inputs(self):
+    """[b, 2]: decoder inputs x_{length-1}, x_length (x_0 is the start token 0)."""
+    padded = jnp.pad(self.tokens, ((0, 0), (1, 0)))  # [b, 1 + L]; padded[:, j] = x_j
+    positions = self.length[:, None] + jnp.array([-1, 0])  # [b, 2]
+    return jnp.take_along_axis(padded, positions, axis=1)
+
+
+class Drafter(Protocol):
+  """The interface every drafter implements."""
+
+  @property
+  def vocab_size(self) -> int:
+    ...
+
+  def init_state(self, params, encoder_tokens, max_length: int) -> Any:
+    """Per-generation state (e.g. an encoded cache) for encoder_tokens [b, s].
+
+    max_length: decoder positions the state must hold (max_decode_length + gamma).
+    """
+
+  def propose(self, params, state, context: DraftContext, gamma: int,
+              sampling: SamplingConfig, keys) -> tuple[jax.Array, jax.Array, Any]:
+    """-> draft tokens [b, gamma] int32, their q [b, gamma, v] float32, new state.
+
+    keys [b]: one PRNG key per row for this iteration.
+    """
+
+
+def draw_tokens(keys, probs, sampling: SamplingConfig):
+  """keys [b], probs [b, v] -> tokens [b] (argmax of a one-hot when greedy)."""
+  if sampling.is_greedy:
+    return jnp.argmax(probs, axis=-1).astype(jnp.int32)
+  return jax.vmap(sample_probs)(keys, probs)

@@ -1,0 +1,56 @@
+"""A T5 draft model: a smaller T5 over the target's vocabulary."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import T5Config
+from jaxspec.decoding.drafter import DraftContext, draw_tokens
+from jaxspec.model import T5, rollback
+from jaxspec.sampling import SamplingConfig, standardize
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Drafter:
+  """A smaller T5 over the same vocabulary, with its own encoder pass and cache.
+
+  Rollback is by index: each proposal starts by setting the cache's end to
+  length - 1 and feeding the two inputs x_{length-1}, x_length. This re-writes the
+  slot of x_{length-1}, which covers the case where every draft was accepted and the
+  drafter never consumed its last draft, without a shape change.
+  """
+  config: T5Config
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  def init_state(self, params, encoder_tokens, max_length: int):
+    model = T5(self.config)
+    encoded = model.apply(params, encoder_tokens, method=T5.encode)
+    return model.apply(params, encoded, encoder_tokens, max_length, method=T5.init_cache)
+
+  def propose(self, params, state, context: DraftContext, gamma: int,
+              sampling: SamplingConfig, keys):
+    model = T5(self.config)
+    cache = rollback(state, context.length - 1)
+    logits, cache = model.apply(params, context.last_two_inputs(), cache, method=T5.decode)
+    step_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(keys)  # [b, gamma]
+    probs = standardize(logits[:, -1], sampling)  # [b, v]
+    token = draw_tokens(step_keys[:, 0], probs, sampling)
+
+    def step(carry, step_key):
+      cache, token = carry
+      logits, cache = model.apply(params, token[:, None], cache, method=T5.decode)
+      probs = standardize(logits[:, 0], sampling)
+      next_token = draw_tokens(step_key, probs, sampling)
+      return (cache, next_token), (next_token, probs)
+
+    (cache, _), (rest_tokens, rest_probs) = jax.lax.scan(
+        step, (cache, token), jnp.swapaxes(step_keys[:, 1:], 0, 1))
+    tokens = jnp.concatenate([token[:, None], jnp.swapaxes(rest_tokens, 0, 1)], axis=1)
+    all_probs = jnp.concatenate([probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
+    return tokens, all_probs, cache
