@@ -1,0 +1,1 @@
+"""Text corpora and vocabulary shipped with jaxspec (pure Python, no TensorFlow)."""
