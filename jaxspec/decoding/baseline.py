@@ -16,9 +16,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxspec import validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common
-from jaxspec.model import T5, DecoderCache, repeat_rows
+from jaxspec.model import T5
 from jaxspec.sampling import SamplingConfig, sample_logits, token_log_probs
 
 
@@ -138,16 +139,25 @@ def temperature_sample(inputs, cache, tokens_to_logits: Callable, eos_id: int,
           jnp.take_along_axis(scores, order, axis=1))
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'max_decode_length', 'sampling',
-                                             'eos_id', 'rescale_log_probs'))
 def generate(params, encoder_tokens, rng=None, *, config: T5Config, max_decode_length: int,
              sampling: SamplingConfig = SamplingConfig(), eos_id: int = EOS_ID,
              rescale_log_probs: bool = True) -> common.DecodeOutput:
   """Decodes encoder_tokens [b, s] with the T5 `params`, one token per step.
 
   rng: one PRNG key (row b uses fold_in(rng, b)) or per-row keys [b]. Returns a
-  DecodeOutput with tokens [b, max_decode_length] (0 after EOS).
+  DecodeOutput with tokens [b, max_decode_length] (0 after EOS). Runs as one jit.
   """
+  validation.check_encoder_tokens(encoder_tokens, config.vocab_size)
+  validation.check_max_decode_length(max_decode_length)
+  return _generate(params, encoder_tokens, rng, config=config,
+                   max_decode_length=max_decode_length, sampling=sampling, eos_id=eos_id,
+                   rescale_log_probs=rescale_log_probs)
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'max_decode_length', 'sampling',
+                                             'eos_id', 'rescale_log_probs'))
+def _generate(params, encoder_tokens, rng, *, config: T5Config, max_decode_length: int,
+              sampling: SamplingConfig, eos_id: int, rescale_log_probs: bool):
   model = T5(config)
   encoded = model.apply(params, encoder_tokens, method=T5.encode)
   cache = model.apply(params, encoded, encoder_tokens, max_decode_length,

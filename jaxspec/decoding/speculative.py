@@ -24,6 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxspec import validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common
 from jaxspec.decoding.drafter import DraftContext, Drafter, draw_tokens
@@ -210,8 +211,6 @@ def _first_token(target_params, encoder_tokens, row_keys, *, target_config, cach
   return tokens, log_probs, done, cache, stats
 
 
-@functools.partial(jax.jit, static_argnames=(
-    'target_config', 'drafter', 'spec', 'max_decode_length', 'sampling', 'eos_id'))
 def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None, *,
                          target_config: T5Config, drafter: Drafter,
                          spec: SpeculativeConfig, max_decode_length: int,
@@ -221,9 +220,23 @@ def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None
 
   The output distribution is the target's under `sampling` (token for token the
   baseline's when argmax), for any drafter, as long as spec.lenience == 1.
-  rng: one PRNG key (row b uses fold_in(rng, b)) or per-row keys [b].
+  rng: one PRNG key (row b uses fold_in(rng, b)) or per-row keys [b]. Runs as one jit.
   """
   check_compatible(target_config, drafter)
+  validation.check_encoder_tokens(encoder_tokens, target_config.vocab_size)
+  validation.check_max_decode_length(max_decode_length)
+  return _speculative_generate(
+      target_params, drafter_params, encoder_tokens, rng, target_config=target_config,
+      drafter=drafter, spec=spec, max_decode_length=max_decode_length, sampling=sampling,
+      eos_id=eos_id)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    'target_config', 'drafter', 'spec', 'max_decode_length', 'sampling', 'eos_id'))
+def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
+                          target_config: T5Config, drafter: Drafter,
+                          spec: SpeculativeConfig, max_decode_length: int,
+                          sampling: SamplingConfig, eos_id: int) -> SpeculativeOutput:
   batch = encoder_tokens.shape[0]
   row_keys = common.row_keys(rng, batch)
   # Room for a full verify window even from the last position; writes past it drop.
