@@ -1,0 +1,15 @@
+"""Registers jaxspec's configuration dataclasses with gin, under module 'jaxspec'.
+
+Imported only by scripts (gin lives at the edges); the library never parses gin.
+Bindings look like `jaxspec.T5Config.emb_dim = 256`.
+"""
+
+import gin
+
+from jaxspec.config import T5Config
+from jaxspec.decoding.speculative import SpeculativeConfig
+from jaxspec.sampling import SamplingConfig
+from jaxspec.training import LossConfig, OptimizerConfig
+
+for _cls in (T5Config, SamplingConfig, SpeculativeConfig, OptimizerConfig, LossConfig):
+  gin.external_configurable(_cls, module='jaxspec')
