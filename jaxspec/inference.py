@@ -1,0 +1,82 @@
+"""Run-level pieces: loading models, decoding a list of examples, resumable JSONL.
+
+Used by scripts/infer.py; nothing here parses flags or gin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.checkpoints import t5x as t5x_checkpoints
+from jaxspec.config import T5Config
+
+
+def load_model_params(checkpoint: str, config: T5Config):
+  """Variables {'params': ...} from a T5X checkpoint, in config.param_dtype, on device."""
+  params = t5x_checkpoints.load_t5x_checkpoint(checkpoint, config, dtype=config.param_dtype)
+  return {'params': jax.device_put(params)}
+
+
+def pad_rows(rows: Sequence[Sequence[int]], length: int) -> np.ndarray:
+  """Token id lists -> [len(rows), length] int32, zero padded (rows must fit)."""
+  out = np.zeros((len(rows), length), np.int32)
+  for i, row in enumerate(rows):
+    if len(row) > length:
+      raise ValueError(f'row {i} has {len(row)} tokens, more than the length {length}')
+    out[i, :len(row)] = row
+  return out
+
+
+class ResumableJsonl:
+  """An append-only JSONL file of records keyed by 'index', safe to kill at any point.
+
+  Each batch of records is appended and fsynced; on open, a torn last line (from a
+  kill mid-write) is cut off, so restarting never duplicates or loses a record.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    self.records: dict[int, dict] = {}
+    if os.path.exists(path):
+      self._recover()
+
+  def _recover(self):
+    with open(self.path, 'rb') as f:
+      data = f.read()
+    keep = data.rfind(b'\n') + 1  # Bytes up to the last complete line.
+    for line in data[:keep].splitlines():
+      record = json.loads(line)
+      self.records[record['index']] = record
+    if keep != len(data):
+      with open(self.path, 'r+b') as f:
+        f.truncate(keep)
+
+  def append(self, records: Iterable[dict]):
+    lines = ''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in records)
+    with open(self.path, 'a', encoding='utf-8') as f:
+      f.write(lines)
+      f.flush()
+      os.fsync(f.fileno())
+    for record in records:
+      self.records[record['index']] = record
+
+
+def timed(fn: Callable, *args):
+  """(result, seconds) of fn(*args) with the device work waited for."""
+  start = time.perf_counter()
+  result = jax.block_until_ready(fn(*args))
+  return result, time.perf_counter() - start
+
+
+def trim_at_eos(tokens: np.ndarray, eos_id: int) -> list[int]:
+  """Decoded ids up to and including the first EOS."""
+  tokens = [int(t) for t in tokens]
+  return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
