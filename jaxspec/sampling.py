@@ -136,6 +136,19 @@ def acceptance_probability(target_probs, draft_probs, draft_tokens,
   return jnp.where(scaled_q <= p, 1.0, p / jnp.maximum(scaled_q, 1e-30))
 
 
+def acceptance_rate(target_probs, draft_probs, lenience: float = 1.0, raw_target_probs=None):
+  """beta [...] = sum_x q(x) accept(x), the probability a draft from q is accepted.
+
+  target_probs, draft_probs [..., v]. sum_x min(p, q) exactly (Theorem 3.5);
+  sum_x min(p / l, q) with lenience l when sampling; for lenient argmax the q-mass of
+  tokens with raw_p(x) >= l * max(raw_p).
+  """
+  if raw_target_probs is not None and lenience < 1.0:
+    accepted = raw_target_probs >= lenience * jnp.max(raw_target_probs, axis=-1, keepdims=True)
+    return jnp.sum(jnp.where(accepted, draft_probs, 0.0), axis=-1)
+  return jnp.sum(jnp.minimum(target_probs / lenience, draft_probs), axis=-1)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Verdict:
@@ -143,7 +156,9 @@ class Verdict:
   num_accepted: jax.Array  # [b] int32 in 0..g, drafts accepted before the first rejection
   next_token: jax.Array  # [b] int32, residual sample at the rejection, or the bonus token
   accept_probability: jax.Array  # [b, g] float32, min(1, p/q) per drafted position
-  overlap: jax.Array  # [b, g] float32, sum_x min(p(x), q(x)) per drafted position (beta)
+  # [b, g] float32, the acceptance rate beta = sum_x q(x) accept(x) per drafted position:
+  # sum_x min(p, q) when exact (Theorem 3.5), sum_x min(p / l, q) with lenience (A.5).
+  overlap: jax.Array
 
 
 def speculative_verdict(rng, draft_tokens, draft_probs, target_probs,
@@ -171,6 +186,7 @@ def speculative_verdict(rng, draft_tokens, draft_probs, target_probs,
   q_next = jnp.take_along_axis(padded_draft_probs, num_accepted[:, None, None], axis=1)[:, 0]
   next_probs = residual_distribution(p_next, q_next, lenience)  # [b, v]
   next_token = sample_probs(resample_rng, next_probs)
-  overlap = jnp.sum(jnp.minimum(target_probs[:, :gamma], draft_probs), axis=-1)
+  overlap = acceptance_rate(target_probs[:, :gamma], draft_probs, lenience,
+                            None if raw_target_probs is None else raw_target_probs[:, :gamma])
   return Verdict(num_accepted=num_accepted, next_token=next_token,
                  accept_probability=accept_prob, overlap=overlap)
