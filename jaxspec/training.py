@@ -30,6 +30,9 @@ class OptimizerConfig:
   # 'rsqrt': T5X's peak * sqrt(warmup / max(step, warmup)); 'cosine': to zero at num_steps.
   decay: str = 'rsqrt'
   weight_decay: float = 0.0  # adamw only.
+  # Adafactor only: scale updates by each parameter's RMS (T5X's default), so the
+  # learning rate is a relative step size.
+  multiply_by_parameter_scale: bool = True
   clip_norm: float = 1.0
 
 
@@ -54,7 +57,8 @@ def learning_rate_schedule(config: OptimizerConfig, num_steps: int):
 def make_optimizer(config: OptimizerConfig, num_steps: int) -> optax.GradientTransformation:
   schedule = learning_rate_schedule(config, num_steps)
   if config.name == 'adafactor':
-    core = optax.adafactor(schedule, multiply_by_parameter_scale=False, clipping_threshold=None)
+    core = optax.adafactor(
+        schedule, multiply_by_parameter_scale=config.multiply_by_parameter_scale)
   elif config.name == 'adamw':
     core = optax.adamw(schedule, weight_decay=config.weight_decay)
   else:
