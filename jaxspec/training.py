@@ -157,7 +157,7 @@ def train_step(params, opt_state, batch, *, config: T5Config,
   updates, opt_state = optimizer.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   metrics = {'loss': loss, 'cross_entropy': hard / jnp.maximum(count, 1.0),
-             'tokens': count, 'grad_norm': optax.global_norm(grads)}
+             'tokens': count, 'grad_norm': optax.tree.norm(grads)}
   return params, opt_state, metrics
 
 

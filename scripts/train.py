@@ -88,7 +88,8 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
           loss: training.LossConfig = training.LossConfig(),
           teacher_model: T5Config | None = None, teacher_checkpoint: str | None = None,
           checkpoint_every: int = 250, keep_checkpoints: int = 2, eval_every: int = 250,
-          eval_examples: int = 512, log_every: int = 25, seed: int = 0):
+          eval_examples: int = 512, log_every: int = 25, seed: int = 0,
+          max_train_examples: int | None = None):
   """Trains `model` on `corpus` for num_steps; distills when a teacher is given."""
   os.makedirs(checkpoint_dir, exist_ok=True)
   with open(os.path.join(checkpoint_dir, 'config.gin'), 'w') as f:
@@ -97,7 +98,8 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
   if vocab.vocab_size > model.vocab_size:
     raise ValueError(f'the vocabulary has {vocab.vocab_size} pieces but the model only '
                      f'{model.vocab_size} embeddings')
-  train_pairs = _encoded_pairs(corpus, 'train', vocab, input_length, target_length)
+  train_pairs = _encoded_pairs(corpus, 'train', vocab, input_length, target_length,
+                               max_train_examples)
   eval_batches = training.epoch_batches(
       _encoded_pairs(corpus, 'validation', vocab, input_length, target_length, eval_examples),
       batch_size, seed, 0)
