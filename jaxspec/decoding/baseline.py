@@ -119,13 +119,15 @@ def temperature_sample(inputs, cache, tokens_to_logits: Callable, eos_id: int,
   batch, length = inputs.shape
   sampling = _sampling_config(temperature, topk, topp)
   prompt = jnp.repeat(inputs.astype(jnp.int32), num_decodes, axis=0)
-  cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, num_decodes, axis=0), cache)
+  # Every leaf with a batch axis is repeated; scalars (e.g. T5X's cache_index) are shared.
+  cache = jax.tree_util.tree_map(
+      lambda x: jnp.repeat(x, num_decodes, axis=0) if jnp.ndim(x) else x, cache)
   prompt_length = jnp.sum(prompt[:, 1:] != 0, axis=1)
   steps = length
   if max_decode_steps is not None:
+    if max_decode_steps_hard_limit is not None:  # As T5X: it only clips max_decode_steps.
+      max_decode_steps = jnp.minimum(max_decode_steps, max_decode_steps_hard_limit)
     steps = jnp.minimum(steps, prompt_length + max_decode_steps)
-  if max_decode_steps_hard_limit is not None:
-    steps = jnp.minimum(steps, max_decode_steps_hard_limit)
   row_limits = jnp.broadcast_to(steps, (batch * num_decodes,)).astype(jnp.int32)
   rng = decode_rng if decode_rng is not None else jax.random.PRNGKey(0)
   row_keys = common.row_keys(rng, batch * num_decodes)
