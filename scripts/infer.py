@@ -141,7 +141,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
       [corpora.encode_example(e, corpus, vocab, input_length, max_decode_length)[0]
        for e in examples], input_length)
   target_params = inference.load_model_params(target_checkpoint, target_model)
-  params = drafter_params(drafter, draft_checkpoint, corpus, vocab, max_decode_length)
+  params = (drafter_params(drafter, draft_checkpoint, corpus, vocab, max_decode_length)
+            if 'speculative' in decoders else None)
   rng = jax.random.PRNGKey(seed)
 
   def row_keys(indices):  # A row's samples depend on its example, not its batch.
