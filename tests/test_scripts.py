@@ -32,6 +32,13 @@ tiny/jaxspec.T5Config:
 """
 
 
+@pytest.fixture(autouse=True)
+def _unlocked_gin():
+  """Parsing locks gin's config; unlock it again so later tests can register."""
+  yield
+  gin.clear_config()
+
+
 def _parse(tmp_path, text, bindings=()):
   gin.clear_config()
   path = tmp_path / 'config.gin'
