@@ -1,0 +1,311 @@
+"""Measurements behind the paper's tables: acceptance rates, step costs, walltimes.
+
+Used by scripts/benchmark.py; nothing here parses gin or writes files.
+
+- `measured_alpha`: alpha (Corollary 3.6) as the mean over the target's own outputs of
+  beta = sum_x min(p, q), with p and q taken teacher forced at the same prefixes.
+- `decode_step_seconds`, `propose_seconds`: the device time of one cached target
+  decode step of k positions and of one drafter proposal, from the slope between two
+  loop lengths (so launch and compile costs cancel out).
+- `time_side_by_side`: several decoders over the same inputs, interleaved example by
+  example, repeated; each repetition's total.
+- `t5x_style_generate`: a reference decoder as T5X runs T5, one token per step with
+  the cross-attention keys and values projected from the encoder output at every step.
+
+Timings wait for the device (block_until_ready) and never include compilation: each
+function runs once before its clock starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import EOS_ID, T5Config
+from jaxspec.decoding import baseline, common
+from jaxspec.decoding.drafter import DraftContext, Drafter
+from jaxspec.decoding.t5_drafter import T5Drafter
+from jaxspec.model import T5, rollback
+from jaxspec.sampling import SamplingConfig, acceptance_rate, standardize
+
+
+# ---------------------------------------------------------------------------
+# Acceptance rate alpha, teacher forced.
+
+
+def shift_right(tokens):
+  """tokens [b, t] -> decoder inputs [b, t]: the start token 0, then tokens[:, :-1]."""
+  return jnp.pad(tokens, ((0, 0), (1, 0)))[:, :-1]
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'sampling'))
+def _t5_teacher_forced(params, encoder_tokens, decoder_tokens, *, config: T5Config,
+                       sampling: SamplingConfig):
+  """Standardized probs [b, t, v] and raw softmax [b, t, v] of a T5 at every prefix."""
+  logits = T5(config).apply(params, encoder_tokens, shift_right(decoder_tokens))
+  logits = logits.astype(jnp.float32)
+  return standardize(logits, sampling), jax.nn.softmax(logits, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=('drafter', 'sampling'))
+def _per_prefix_proposals(params, encoder_tokens, decoder_tokens, key, *, drafter: Drafter,
+                          sampling: SamplingConfig):
+  """q [b, t, v] of a drafter whose proposal depends only on the committed prefix.
+
+  Each prefix becomes its own row: row (b, j) has committed tokens[:j] and proposes one
+  token; position 0 (no committed token yet) gets a uniform placeholder, never used.
+  """
+  batch, length = decoder_tokens.shape
+  prefix_lengths = jnp.maximum(jnp.arange(length), 1)  # [t]
+  keep = jnp.arange(length)[None, :] < prefix_lengths[:, None]  # [t, t]
+  rows = jnp.where(keep[None], decoder_tokens[:, None, :], 0).reshape(batch * length, length)
+  context = DraftContext(tokens=rows, length=jnp.tile(prefix_lengths, batch),
+                         encoder_tokens=jnp.repeat(encoder_tokens, length, axis=0))
+  state = drafter.init_state(params, context.encoder_tokens, length + 1)
+  keys = jax.random.split(key, batch * length)
+  _, probs, _ = drafter.propose(params, state, context, 1, sampling, keys)
+  return probs[:, 0].reshape(batch, length, -1)
+
+
+def drafter_probs(drafter: Drafter, params, encoder_tokens, decoder_tokens,
+                  sampling: SamplingConfig, key=None):
+  """q [b, t, v]: what the drafter proposes for tokens[:, j] given tokens[:, :j].
+
+  A T5 drafter runs teacher forced; any other drafter must depend only on the prefix
+  (true of the n-gram and prompt-lookup drafters) and is asked once per prefix.
+  """
+  if isinstance(drafter, T5Drafter):
+    return _t5_teacher_forced(params, encoder_tokens, decoder_tokens, config=drafter.config,
+                              sampling=sampling)[0]
+  key = jax.random.PRNGKey(0) if key is None else key
+  return _per_prefix_proposals(params, encoder_tokens, decoder_tokens, key, drafter=drafter,
+                               sampling=sampling)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSamples:
+  """The target's own outputs and its distributions at every prefix of them."""
+  encoder_tokens: np.ndarray  # [n, s]
+  tokens: np.ndarray  # [n, t] sampled from the target, 0 after EOS
+  mask: np.ndarray  # [n, t] bool: positions 1.. up to and including EOS (drafted ones)
+  batches: tuple[tuple[int, int], ...]  # [start, stop) row ranges used for scoring
+
+
+def sample_target_outputs(target_params, target_config: T5Config, encoder_tokens,
+                          max_decode_length: int, sampling: SamplingConfig, rng,
+                          min_tokens: int, batch_size: int = 16) -> TargetSamples:
+  """Decodes rows of encoder_tokens [n, s] with the target until >= min_tokens positions.
+
+  Counts the positions speculative decoding drafts: every output position after the
+  first (the first token comes from the target's own first step) through EOS.
+  """
+  outputs, masks, batches, counted, start = [], [], [], 0, 0
+  while counted < min_tokens and start < len(encoder_tokens):
+    stop = min(start + batch_size, len(encoder_tokens))
+    rows = np.asarray(encoder_tokens[start:stop])
+    rows = np.pad(rows, ((0, batch_size - len(rows)), (0, 0)))  # One compiled shape.
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(start, start + batch_size))
+    output = baseline.generate(target_params, rows, keys, config=target_config,
+                               max_decode_length=max_decode_length, sampling=sampling)
+    lengths = np.asarray(output.lengths)[:stop - start]
+    positions = np.arange(max_decode_length)[None, :]
+    mask = (positions >= 1) & (positions < lengths[:, None])
+    outputs.append(np.asarray(output.tokens)[:stop - start])
+    masks.append(mask)
+    batches.append((start, stop))
+    counted += int(mask.sum())
+    start = stop
+  return TargetSamples(encoder_tokens=np.asarray(encoder_tokens[:start]),
+                       tokens=np.concatenate(outputs), mask=np.concatenate(masks),
+                       batches=tuple(batches))
+
+
+@dataclasses.dataclass(frozen=True)
+class AlphaMeasurement:
+  alpha: float  # mean beta over the counted positions
+  positions: int  # how many positions were averaged
+  alpha_by_lenience: Mapping[float, float]
+
+
+def measured_alpha(samples: TargetSamples, target_params, target_config: T5Config,
+                   drafter: Drafter, drafter_params, sampling: SamplingConfig,
+                   lenience: Sequence[float] = (1.0,), batch_size: int = 16) -> AlphaMeasurement:
+  """alpha = E(beta) over the target's outputs (Corollary 3.6), per lenience (A.5)."""
+  sums = {l: 0.0 for l in lenience}
+  count = 0
+  for start, stop in samples.batches:
+    encoder_tokens = _pad_to(samples.encoder_tokens[start:stop], batch_size)
+    tokens = _pad_to(samples.tokens[start:stop], batch_size)
+    mask = samples.mask[start:stop]
+    target_probs, raw_target_probs = _t5_teacher_forced(
+        target_params, encoder_tokens, tokens, config=target_config, sampling=sampling)
+    draft_probs = drafter_probs(drafter, drafter_params, encoder_tokens, tokens, sampling)
+    for l in lenience:
+      raw = raw_target_probs if sampling.is_greedy and l < 1.0 else None
+      beta = np.asarray(acceptance_rate(target_probs, draft_probs, l, raw))[:stop - start]
+      sums[l] += float(beta[mask].sum())
+    count += int(mask.sum())
+  by_lenience = {l: sums[l] / max(count, 1) for l in lenience}
+  return AlphaMeasurement(alpha=by_lenience[lenience[0]], positions=count,
+                          alpha_by_lenience=by_lenience)
+
+
+def _pad_to(rows: np.ndarray, batch_size: int) -> np.ndarray:
+  return np.pad(rows, ((0, batch_size - len(rows)),) + ((0, 0),) * (rows.ndim - 1))
+
+
+# ---------------------------------------------------------------------------
+# Device time of one step, from the slope between two loop lengths.
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+  """Median walltime of fn() (device work waited for) after one untimed run."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def _slope(run: Callable[[int], Any], short: int, long: int, repeats: int) -> float:
+  """Seconds per iteration of run(n), from n = short and n = long."""
+  return ((median_seconds(lambda: run(long), repeats) - median_seconds(lambda: run(short), repeats))
+          / (long - short))
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'tokens_per_step', 'num_steps',
+                                             'cache_length'))
+def _decode_steps(params, encoder_tokens, *, config: T5Config, tokens_per_step: int,
+                  num_steps: int, cache_length: int):
+  model = T5(config)
+  encoded = model.apply(params, encoder_tokens, method=T5.encode)
+  cache = model.apply(params, encoded, encoder_tokens, cache_length, method=T5.init_cache)
+  batch = encoder_tokens.shape[0]
+  span = cache_length - tokens_per_step + 1
+
+  def step(i, carry):
+    cache, tokens = carry
+    cache = rollback(cache, jnp.full((batch,), i % span, jnp.int32))
+    logits, cache = model.apply(params, tokens, cache, method=T5.decode)  # [b, k, v]
+    # The next inputs depend on the logits, so no step can be skipped or hoisted.
+    return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  tokens = jnp.ones((batch, tokens_per_step), jnp.int32)
+  return jax.lax.fori_loop(0, num_steps, step, (cache, tokens))[1]
+
+
+def decode_step_seconds(params, config: T5Config, encoder_tokens, tokens_per_step: int,
+                        cache_length: int, steps: tuple[int, int] = (8, 40),
+                        repeats: int = 5) -> float:
+  """Seconds of one cached decode step of `tokens_per_step` positions per row."""
+  run = lambda n: _decode_steps(params, encoder_tokens, config=config,
+                                tokens_per_step=tokens_per_step, num_steps=n,
+                                cache_length=cache_length)
+  return _slope(run, *steps, repeats)
+
+
+@functools.partial(jax.jit, static_argnames=('drafter', 'gamma', 'num_calls', 'cache_length',
+                                             'sampling'))
+def _propose_calls(params, encoder_tokens, tokens, *, drafter: Drafter, gamma: int,
+                   num_calls: int, cache_length: int, sampling: SamplingConfig):
+  batch = encoder_tokens.shape[0]
+  state = drafter.init_state(params, encoder_tokens, cache_length)
+  keys = jax.random.split(jax.random.PRNGKey(0), batch)
+
+  def call(i, carry):
+    state, tokens = carry
+    length = jnp.full((batch,), 1 + i % (tokens.shape[1] - gamma), jnp.int32)
+    context = DraftContext(tokens=tokens, length=length, encoder_tokens=encoder_tokens)
+    drafts, _, state = drafter.propose(params, state, context, gamma, sampling, keys)
+    # Feed the drafts back so each call depends on the one before.
+    return state, jax.lax.dynamic_update_slice_in_dim(tokens, drafts, 1, axis=1)
+
+  return jax.lax.fori_loop(0, num_calls, call, (state, tokens))[1]
+
+
+def propose_seconds(drafter: Drafter, params, encoder_tokens, gamma: int, cache_length: int,
+                    sampling: SamplingConfig, calls: tuple[int, int] = (4, 20),
+                    repeats: int = 5) -> float:
+  """Seconds of one drafter proposal of gamma tokens, as speculative decoding calls it."""
+  batch = encoder_tokens.shape[0]
+  tokens = jnp.ones((batch, cache_length - gamma), jnp.int32)
+  run = lambda n: _propose_calls(params, encoder_tokens, tokens, drafter=drafter, gamma=gamma,
+                                 num_calls=n, cache_length=cache_length, sampling=sampling)
+  return _slope(run, *calls, repeats)
+
+
+# ---------------------------------------------------------------------------
+# Walltime of whole decodes, side by side.
+
+
+def time_side_by_side(decoders: Mapping[str, Callable[[int], Any]], num_items: int,
+                      repeats: int) -> dict[str, list[float]]:
+  """{name: [total seconds of repetition r]} for decoders called as fn(item).
+
+  Every decoder runs once on item 0 first (compilation). Then, per repetition and per
+  item, the decoders run one after the other, so a change in machine load hits all
+  of them alike.
+  """
+  for decode in decoders.values():
+    jax.block_until_ready(decode(0))
+  totals = {name: [0.0] * repeats for name in decoders}
+  for r in range(repeats):
+    for item in range(num_items):
+      for name, decode in decoders.items():
+        start = time.perf_counter()
+        jax.block_until_ready(decode(item))
+        totals[name][r] += time.perf_counter() - start
+  return totals
+
+
+# ---------------------------------------------------------------------------
+# The T5X-style reference decoder.
+
+
+def t5x_style_generate(params, encoder_tokens, rng=None, *, config: T5Config,
+                       max_decode_length: int, sampling: SamplingConfig = SamplingConfig(),
+                       eos_id: int = EOS_ID):
+  """tokens [b, max_decode_length]: one token per step, cross K/V projected every step.
+
+  T5X's decoder keeps the encoder output in the decode loop and its cross-attention
+  projects keys and values from it at every step; this does the same through
+  jaxspec's T5 and jaxspec's T5X-compatible `temperature_sample` (same params, same
+  samples as `baseline.generate`).
+  """
+  return _t5x_style_generate(params, encoder_tokens, rng, config=config,
+                             max_decode_length=max_decode_length, sampling=sampling,
+                             eos_id=eos_id)
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'max_decode_length', 'sampling',
+                                             'eos_id'))
+def _t5x_style_generate(params, encoder_tokens, rng, *, config, max_decode_length, sampling,
+                        eos_id):
+  model = T5(config)
+  encoded = model.apply(params, encoder_tokens, method=T5.encode)  # [b, s, e]
+  cache = model.apply(params, encoded, encoder_tokens, max_decode_length, method=T5.init_cache)
+
+  def tokens_to_logits(state: baseline.DecodingState):
+    decoder_cache, encoded = state.cache
+    fresh = model.apply(params, encoded, encoder_tokens, 1, method=T5.init_cache)
+    decoder_cache = decoder_cache.replace(layers=tuple(
+        layer.replace(cross_keys=new.cross_keys, cross_values=new.cross_values)
+        for layer, new in zip(decoder_cache.layers, fresh.layers)))
+    logits, decoder_cache = model.apply(params, state.cur_token, decoder_cache,
+                                        method=T5.decode)  # [b, 1, v]
+    return logits[:, 0], (decoder_cache, encoded)
+
+  batch = encoder_tokens.shape[0]
+  decodes, _ = baseline.temperature_sample(
+      jnp.zeros((batch, max_decode_length), jnp.int32), (cache, encoded), tokens_to_logits,
+      eos_id, decode_rng=rng, temperature=sampling.temperature, topk=sampling.top_k,
+      topp=sampling.top_p)  # [b, 1, L]
+  return decodes[:, 0]

@@ -1,0 +1,451 @@
+"""Reproduces the paper's tables on the local pairs, side by side in one run.
+
+  python scripts/benchmark.py                       # every config in DEFAULT_GIN_FILES
+  python scripts/benchmark.py --gin_file=configs/benchmark/ende_local.gin \
+      --gin.benchmark.walltime_examples=20
+
+For one task, target and set of drafts it measures, in this order:
+  alpha      Table 3 and Table 5: alpha (Corollary 3.6) of each drafter over >= alpha_tokens
+             target tokens, temperatures 0 and 1, per lenience.
+  costs      Table 4's inputs: target step time for 1..max_gamma+1 positions, each
+             drafter's proposal time for gamma = 1..max_gamma, c (Definition 3.7).
+  table2     walltime speedup of speculative decoding over the baseline, batch 1, encode
+             included, median of repeated runs, per draft and temperature, at the gamma
+             the measured costs predict best; identical outputs counted at temperature 0.
+  table4     c, alpha, Theorem 3.8's expected speedup and the measured one.
+  sweep      Figure 3: measured speedup for gamma = 1..max_gamma on one pair (PNG).
+  batch      tokens/s of baseline and speculative at batch sizes 1, 4, 16 (PNG).
+  reference  the baseline against a T5X-style decode loop (cross-attention K/V
+             projected at every step) on the same model.
+Writes <output_dir>/results.json, results.md and *.png, and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gin_flags  # scripts/gin_flags.py
+import infer as infer_script  # scripts/infer.py: drafter_params
+import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
+from jaxspec import analysis, benchmark as measure, inference
+from jaxspec.config import T5Config
+from jaxspec.data import corpora
+from jaxspec.decoding.baseline import generate
+from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter, T5Drafter,
+                                       UnigramDrafter)
+from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
+from jaxspec.sampling import SamplingConfig
+
+DEFAULT_GIN_FILES = ('configs/benchmark/ende_local.gin',)
+SECTIONS = ('alpha', 'costs', 'table2', 'sweep', 'batch', 'reference')
+
+
+def machine_description() -> dict:
+  cpu = platform.processor() or platform.machine()
+  if os.path.exists('/proc/cpuinfo'):
+    with open('/proc/cpuinfo') as f:
+      names = [l.split(':', 1)[1].strip() for l in f if l.startswith('model name')]
+    cpu = names[0] if names else cpu
+  device = jax.devices()[0]
+  return {'device': device.device_kind, 'platform': device.platform, 'cpu': cpu,
+          'cpu_count': os.cpu_count(), 'jax': jax.__version__,
+          'date': time.strftime('%Y-%m-%d')}
+
+
+class Setup:
+  """The task's test inputs, the target and the drafters, loaded once."""
+
+  def __init__(self, task, target_model, target_checkpoint, t5_drafts, draft_checkpoints,
+               input_length, max_decode_length):
+    self.task, self.target_model = task, target_model
+    self.max_decode_length = max_decode_length
+    vocab = corpora.Vocabulary()
+    examples = corpora.load_split(task, 'test')
+    self.inputs = inference.pad_rows(
+        [corpora.encode_example(e, task, vocab, input_length, max_decode_length)[0]
+         for e in examples], input_length)  # [n, s]
+    self.target_params = inference.load_model_params(target_checkpoint, target_model)
+    vocab_size = target_model.vocab_size
+    self.drafters = {f't5 {name}': T5Drafter(config) for name, config in t5_drafts.items()}
+    self.drafters.update({'unigram': UnigramDrafter(vocab_size),
+                          'bigram': BigramDrafter(vocab_size),
+                          'prompt lookup': PromptLookupDrafter(vocab_size)})
+    checkpoints = {f't5 {name}': path for name, path in draft_checkpoints.items()}
+    self.drafter_params = {
+        name: infer_script.drafter_params(drafter, checkpoints.get(name), task, vocab,
+                                          max_decode_length)
+        for name, drafter in self.drafters.items()}
+
+  def keys(self, rows, seed=0):
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed),
+                                                           jnp.asarray(rows))
+
+  def baseline(self, rows, sampling):
+    return generate(self.target_params, self.inputs[rows], self.keys(rows),
+                    config=self.target_model, max_decode_length=self.max_decode_length,
+                    sampling=sampling)
+
+  def speculative(self, rows, sampling, drafter_name, gamma, lenience=1.0):
+    return speculative_generate(
+        self.target_params, self.drafter_params[drafter_name], self.inputs[rows],
+        self.keys(rows), target_config=self.target_model,
+        drafter=self.drafters[drafter_name], spec=SpeculativeConfig(gamma, lenience),
+        max_decode_length=self.max_decode_length, sampling=sampling)
+
+
+# ---------------------------------------------------------------------------
+# Sections. Each returns JSON-ready rows.
+
+
+def alpha_section(setup: Setup, temperatures, alpha_tokens, lenience) -> list[dict]:
+  rows = []
+  for temperature in temperatures:
+    sampling = SamplingConfig(temperature=temperature)
+    samples = measure.sample_target_outputs(
+        setup.target_params, setup.target_model, setup.inputs, setup.max_decode_length,
+        sampling, jax.random.PRNGKey(1), alpha_tokens)
+    for name, drafter in setup.drafters.items():
+      result = measure.measured_alpha(samples, setup.target_params, setup.target_model,
+                                      drafter, setup.drafter_params[name], sampling, lenience)
+      rows.append({'drafter': name, 'temperature': temperature, 'alpha': result.alpha,
+                   'positions': result.positions,
+                   'alpha_by_lenience': {str(l): a for l, a in result.alpha_by_lenience.items()}})
+  return rows
+
+
+def costs_section(setup: Setup, max_gamma, repeats) -> dict:
+  """Step times in seconds at batch 1 on the first test input."""
+  encoder_tokens = setup.inputs[:1]
+  cache_length = setup.max_decode_length + max_gamma
+  target_step = {k: measure.decode_step_seconds(
+      setup.target_params, setup.target_model, encoder_tokens, k, cache_length,
+      repeats=repeats) for k in range(1, max_gamma + 2)}
+  drafters = {}
+  for name, drafter in setup.drafters.items():
+    proposal = {g: measure.propose_seconds(
+        drafter, setup.drafter_params[name], encoder_tokens, g, cache_length,
+        SamplingConfig(temperature=0.0), repeats=repeats) for g in range(1, max_gamma + 1)}
+    row = {'proposal_seconds': proposal}
+    if isinstance(drafter, T5Drafter):  # Definition 3.7: one draft step over one target step.
+      row['step_seconds'] = measure.decode_step_seconds(
+          setup.drafter_params[name], drafter.config, encoder_tokens, 1, cache_length,
+          repeats=repeats)
+      row['c'] = row['step_seconds'] / target_step[1]
+    else:
+      row['c'] = proposal[1] / target_step[1]
+    drafters[name] = row
+  return {'target_step_seconds': target_step, 'drafters': drafters}
+
+
+def predicted_speedup(alpha, gamma, costs, drafter_name) -> float:
+  """Expected speedup with the measured costs of a whole iteration.
+
+  E[tokens per iteration] (Eq. 1) times one target step, over one proposal of gamma
+  tokens plus one target step of gamma + 1 positions. Theorem 3.8 is the special case
+  where the proposal costs gamma c and the verification costs one target step.
+  """
+  target = costs['target_step_seconds']
+  iteration = costs['drafters'][drafter_name]['proposal_seconds'][gamma] + target[gamma + 1]
+  return float(analysis.expected_tokens_per_iteration(alpha, gamma) * target[1] / iteration)
+
+
+def best_gamma(alpha, costs, drafter_name, max_gamma) -> int:
+  speedups = [predicted_speedup(alpha, g, costs, drafter_name) for g in range(1, max_gamma + 1)]
+  return 1 + int(np.argmax(speedups))
+
+
+def _generated_tokens(output) -> int:
+  return int(np.sum(np.asarray(output.lengths)))
+
+
+def table2_section(setup: Setup, alphas, costs, temperatures, drafter_names, max_gamma,
+                   num_examples, repeats) -> list[dict]:
+  rows = []
+  for temperature in temperatures:
+    sampling = SamplingConfig(temperature=temperature)
+    gammas = {name: best_gamma(alphas[(name, temperature)], costs, name, max_gamma)
+              for name in drafter_names}
+    decoders = {'baseline': lambda i: setup.baseline([i], sampling)}
+    for name in drafter_names:
+      decoders[name] = (lambda n: lambda i: setup.speculative([i], sampling, n, gammas[n]))(name)
+    totals = measure.time_side_by_side(decoders, num_examples, repeats)
+    baseline_tokens = [np.asarray(setup.baseline([i], sampling).tokens[0])
+                       for i in range(num_examples)]
+    for name in drafter_names:
+      outputs = [setup.speculative([i], sampling, name, gammas[name]) for i in range(num_examples)]
+      tokens = sum(_generated_tokens(o.output) for o in outputs)
+      calls = sum(int(o.stats.row_target_calls[0]) for o in outputs)
+      rows.append({
+          'task': setup.task, 'drafter': name, 'temperature': temperature,
+          'gamma': gammas[name], 'alpha': alphas[(name, temperature)],
+          'tokens_per_target_call': tokens / calls,
+          'baseline_seconds': float(np.median(totals['baseline'])),
+          'speculative_seconds': float(np.median(totals[name])),
+          'speedup': float(np.median(totals['baseline']) / np.median(totals[name])),
+          'identical_outputs': sum(np.array_equal(np.asarray(o.output.tokens[0]), b)
+                                   for o, b in zip(outputs, baseline_tokens)),
+          'examples': num_examples, 'repeats': repeats})
+  return rows
+
+
+def table4_rows(table2, costs) -> list[dict]:
+  rows = []
+  for row in table2:
+    drafter = costs['drafters'][row['drafter']]
+    target = costs['target_step_seconds']
+    rows.append({
+        'drafter': row['drafter'], 'temperature': row['temperature'], 'gamma': row['gamma'],
+        'alpha': row['alpha'], 'c': drafter['c'],
+        'verify_cost': target[row['gamma'] + 1] / target[1],
+        'theorem_3_8_speedup': float(analysis.expected_speedup(row['alpha'], row['gamma'],
+                                                               drafter['c'])),
+        'measured_cost_speedup': predicted_speedup(row['alpha'], row['gamma'], costs,
+                                                   row['drafter']),
+        'empirical_speedup': row['speedup']})
+  return rows
+
+
+def sweep_section(setup: Setup, alpha, costs, drafter_name, max_gamma, num_examples,
+                  repeats) -> dict:
+  sampling = SamplingConfig(temperature=0.0)
+  decoders = {'baseline': lambda i: setup.baseline([i], sampling)}
+  for gamma in range(1, max_gamma + 1):
+    decoders[gamma] = (lambda g: lambda i: setup.speculative([i], sampling, drafter_name, g))(gamma)
+  totals = measure.time_side_by_side(decoders, num_examples, repeats)
+  c = costs['drafters'][drafter_name]['c']
+  return {
+      'drafter': drafter_name, 'temperature': 0.0, 'alpha': alpha, 'c': c,
+      'theorem_3_8_optimal_gamma': analysis.optimal_gamma(alpha, c, max_gamma),
+      'measured_cost_optimal_gamma': best_gamma(alpha, costs, drafter_name, max_gamma),
+      'rows': [{'gamma': g,
+                'measured_speedup': float(np.median(totals['baseline']) / np.median(totals[g])),
+                'theorem_3_8_speedup': float(analysis.expected_speedup(alpha, g, c)),
+                'measured_cost_speedup': predicted_speedup(alpha, g, costs, drafter_name)}
+               for g in range(1, max_gamma + 1)]}
+
+
+def batch_section(setup: Setup, drafter_name, gamma, batch_sizes, num_examples,
+                  repeats) -> list[dict]:
+  sampling = SamplingConfig(temperature=0.0)
+  rows = []
+  for batch_size in batch_sizes:
+    batches = [list(range(i, i + batch_size)) for i in range(0, num_examples, batch_size)]
+    decoders = {'baseline': lambda i: setup.baseline(batches[i], sampling),
+                'speculative': lambda i: setup.speculative(batches[i], sampling, drafter_name,
+                                                           gamma)}
+    totals = measure.time_side_by_side(decoders, len(batches), repeats)
+    tokens = sum(_generated_tokens(setup.baseline(b, sampling)) for b in batches)
+    baseline_rate = tokens / np.median(totals['baseline'])
+    speculative_rate = tokens / np.median(totals['speculative'])
+    rows.append({'batch_size': batch_size, 'drafter': drafter_name, 'gamma': gamma,
+                 'baseline_tokens_per_second': float(baseline_rate),
+                 'speculative_tokens_per_second': float(speculative_rate),
+                 'speedup': float(speculative_rate / baseline_rate),
+                 'examples': len(batches) * batch_size})
+  return rows
+
+
+def reference_section(setup: Setup, temperatures, num_examples, repeats) -> list[dict]:
+  rows = []
+  for temperature in temperatures:
+    sampling = SamplingConfig(temperature=temperature)
+
+    def t5x_style(i):
+      return measure.t5x_style_generate(
+          setup.target_params, setup.inputs[[i]], setup.keys([i]), config=setup.target_model,
+          max_decode_length=setup.max_decode_length, sampling=sampling)
+
+    decoders = {'baseline': lambda i: setup.baseline([i], sampling), 't5x_style': t5x_style}
+    totals = measure.time_side_by_side(decoders, num_examples, repeats)
+    identical = sum(np.array_equal(np.asarray(t5x_style(i)),
+                                   np.asarray(setup.baseline([i], sampling).tokens))
+                    for i in range(num_examples))
+    rows.append({'temperature': temperature,
+                 't5x_style_seconds': float(np.median(totals['t5x_style'])),
+                 'baseline_seconds': float(np.median(totals['baseline'])),
+                 'baseline_speedup': float(np.median(totals['t5x_style'])
+                                           / np.median(totals['baseline'])),
+                 'identical_outputs': identical, 'examples': num_examples})
+  return rows
+
+
+# ---------------------------------------------------------------------------
+# Output.
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+  def fmt(value):
+    if isinstance(value, float):
+      return f'{value:.3f}'
+    return str(value)
+  lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+  lines += ['| ' + ' | '.join(fmt(row.get(c, '')) for c in columns) + ' |' for row in rows]
+  return '\n'.join(lines) + '\n'
+
+
+def results_markdown(results: dict) -> str:
+  machine = results['machine']
+  parts = [f"## {results['task']}: target {results['target']}\n",
+           f"Measured {machine['date']} on {machine['device']} ({machine['cpu']}, "
+           f"{machine['cpu_count']} cores), jax {machine['jax']}, "
+           f"{results['compute_dtype']}.\n"]
+  if 'table2' in results:
+    parts += ['\n### Table 2: walltime speedup, batch 1\n',
+              markdown_table(results['table2'], [
+                  'task', 'drafter', 'temperature', 'gamma', 'alpha',
+                  'tokens_per_target_call', 'speedup', 'identical_outputs', 'examples'])]
+  if 'alpha' in results:
+    rows = [dict(r, **{f'l={l}': a for l, a in r['alpha_by_lenience'].items()})
+            for r in results['alpha']]
+    lenience_columns = [f'l={l}' for l in results['alpha'][0]['alpha_by_lenience']][1:]
+    parts += ['\n### Table 3 and Table 5: alpha (lenience l < 1 changes the output)\n',
+              markdown_table(rows, ['drafter', 'temperature', 'alpha', 'positions']
+                             + lenience_columns)]
+  if 'table4' in results:
+    parts += ['\n### Table 4: cost coefficient and expected vs measured speedup\n',
+              'verify_cost: one target step over gamma + 1 positions / one over 1 position '
+              '(Theorem 3.8 takes it as 1). measured_cost_speedup predicts from the '
+              'measured proposal and verification times.\n\n',
+              markdown_table(results['table4'], [
+                  'drafter', 'temperature', 'gamma', 'alpha', 'c', 'verify_cost',
+                  'theorem_3_8_speedup', 'measured_cost_speedup', 'empirical_speedup'])]
+  if 'sweep' in results:
+    sweep = results['sweep']
+    parts += [f"\n### Figure 3: speedup against gamma ({sweep['drafter']}, temperature 0, "
+              f"alpha {sweep['alpha']:.3f}, c {sweep['c']:.3f}; optimal gamma: Theorem 3.8 "
+              f"{sweep['theorem_3_8_optimal_gamma']}, measured costs "
+              f"{sweep['measured_cost_optimal_gamma']})\n",
+              markdown_table(sweep['rows'], ['gamma', 'measured_speedup',
+                                             'theorem_3_8_speedup', 'measured_cost_speedup'])]
+  if 'batch' in results:
+    parts += ['\n### Batch size: tokens/s, temperature 0\n',
+              markdown_table(results['batch'], [
+                  'batch_size', 'drafter', 'gamma', 'baseline_tokens_per_second',
+                  'speculative_tokens_per_second', 'speedup'])]
+  if 'reference' in results:
+    parts += ['\n### Baseline against a T5X-style decode loop (cross-attention K/V per step)\n',
+              markdown_table(results['reference'], [
+                  'temperature', 'baseline_speedup', 'identical_outputs', 'examples'])]
+  return ''.join(parts)
+
+
+def write_plots(results: dict, output_dir: str):
+  """figure3_gamma.png and batch_size.png, if matplotlib is installed (extra 'bench')."""
+  try:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib is not installed (pip install -e '.[bench]'): no plots written")
+    return
+  if 'sweep' in results:
+    rows = results['sweep']['rows']
+    gammas = [r['gamma'] for r in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for key, label in [('measured_speedup', 'measured'),
+                       ('theorem_3_8_speedup', 'Theorem 3.8'),
+                       ('measured_cost_speedup', 'measured costs')]:
+      ax.plot(gammas, [r[key] for r in rows], marker='o', label=label)
+    ax.axhline(1.0, color='gray', linewidth=0.5)
+    ax.set_xlabel('gamma')
+    ax.set_ylabel('walltime speedup')
+    ax.set_title(f"{results['task']}: {results['sweep']['drafter']}, "
+                 f"alpha {results['sweep']['alpha']:.2f}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(output_dir, 'figure3_gamma.png'), dpi=100)
+    plt.close(fig)
+  if 'batch' in results:
+    rows = results['batch']
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    sizes = [r['batch_size'] for r in rows]
+    ax.plot(sizes, [r['baseline_tokens_per_second'] for r in rows], marker='o', label='baseline')
+    ax.plot(sizes, [r['speculative_tokens_per_second'] for r in rows], marker='o',
+            label='speculative')
+    ax.set_xscale('log', base=2)
+    ax.set_xlabel('batch size')
+    ax.set_ylabel('tokens/s')
+    ax.set_title(f"{results['task']}: throughput, temperature 0")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(output_dir, 'batch_size.png'), dpi=100)
+    plt.close(fig)
+
+
+@gin.configurable
+def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED,
+              target_checkpoint: str = gin.REQUIRED, target_name: str = 'local target',
+              t5_drafts: dict = gin.REQUIRED, draft_checkpoints: dict = gin.REQUIRED,
+              output_dir: str = gin.REQUIRED, input_length: int = 64,
+              max_decode_length: int = 64, temperatures=(0.0, 1.0), max_gamma: int = 10,
+              alpha_tokens: int = 10000, lenience=(1.0, 0.5, 0.3, 0.1),
+              walltime_drafters=None, walltime_examples: int = 100, repeats: int = 3,
+              step_repeats: int = 5, sweep_drafter: str | None = None,
+              sweep_examples: int = 40, batch_sizes=(1, 4, 16),
+              batch_examples: int = 64, reference_examples: int = 50,
+              sections=SECTIONS) -> dict:
+  """Runs the sections and writes results.json, results.md and plots to output_dir."""
+  unknown = set(sections) - set(SECTIONS)
+  if unknown:
+    raise ValueError(f'unknown sections {sorted(unknown)}; known: {SECTIONS}')
+  setup = Setup(task, target_model, target_checkpoint, t5_drafts, draft_checkpoints,
+                input_length, max_decode_length)
+  walltime_drafters = list(walltime_drafters or [f't5 {n}' for n in t5_drafts])
+  sweep_drafter = sweep_drafter or walltime_drafters[-1]
+  results = {'task': task, 'target': target_name, 'machine': machine_description(),
+             'compute_dtype': target_model.dtype, 'input_length': input_length,
+             'max_decode_length': max_decode_length}
+  need_alpha = {'alpha', 'table2', 'sweep', 'batch'} & set(sections)
+  need_costs = {'costs', 'table2', 'sweep', 'batch'} & set(sections)
+  if need_alpha:
+    results['alpha'] = alpha_section(setup, temperatures, alpha_tokens, lenience)
+  alphas = {(r['drafter'], r['temperature']): r['alpha'] for r in results.get('alpha', [])}
+  if need_costs:
+    results['costs'] = costs_section(setup, max_gamma, step_repeats)
+  if 'table2' in sections:
+    results['table2'] = table2_section(setup, alphas, results['costs'], temperatures,
+                                       walltime_drafters, max_gamma, walltime_examples, repeats)
+    results['table4'] = table4_rows(results['table2'], results['costs'])
+  if 'sweep' in sections:
+    results['sweep'] = sweep_section(setup, alphas[(sweep_drafter, 0.0)], results['costs'],
+                                     sweep_drafter, max_gamma, sweep_examples, repeats)
+  if 'batch' in sections:
+    gamma = best_gamma(alphas[(sweep_drafter, 0.0)], results['costs'], sweep_drafter, max_gamma)
+    results['batch'] = batch_section(setup, sweep_drafter, gamma, batch_sizes, batch_examples,
+                                     repeats)
+  if 'reference' in sections:
+    results['reference'] = reference_section(setup, temperatures, reference_examples, repeats)
+  os.makedirs(output_dir, exist_ok=True)
+  with open(os.path.join(output_dir, 'results.json'), 'w') as f:
+    json.dump(results, f, indent=2, default=str)
+  markdown = results_markdown(results)
+  with open(os.path.join(output_dir, 'results.md'), 'w') as f:
+    f.write(markdown)
+  write_plots(results, output_dir)
+  print(markdown)
+  return results
+
+
+def main(argv):
+  gin_files = [a for a in argv if a.startswith('--gin_file')]
+  rest = [a for a in argv if not a.startswith('--gin_file')]
+  runs = gin_files and [gin_files] or [[f'--gin_file={f}'] for f in DEFAULT_GIN_FILES]
+  for files in runs:
+    gin.clear_config()
+    gin_flags.parse(files + rest)
+    benchmark()
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])
