@@ -75,6 +75,16 @@ def standardize(logits, config: SamplingConfig):
   return jax.nn.softmax(adjusted_logits(logits, config), axis=-1)
 
 
+def nonfinite_logits(logits):
+  """logits [..., v] -> [...] bool: the distribution cannot be sampled from.
+
+  True where any logit is NaN or +inf, or where no logit is finite. -inf alone is a
+  legal mask (a callback or top-k may remove tokens) and is not flagged.
+  """
+  return jnp.any(jnp.isnan(logits) | jnp.isposinf(logits), axis=-1) | ~jnp.any(
+      jnp.isfinite(logits), axis=-1)
+
+
 def sample_logits(rng, logits, config: SamplingConfig):
   """Draws tokens [...] from logits [..., v] under `config` (argmax when greedy)."""
   if config.is_greedy:

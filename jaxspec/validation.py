@@ -1,13 +1,19 @@
 """Checks of caller input, run before tracing so errors name the problem.
 
 Inside jit nothing can raise on values, so the public decoders check their concrete
-inputs here first; traced inputs (a caller's own jit) skip the value checks.
+inputs here first; traced inputs (a caller's own jit) skip the value checks. After
+the call they report the rows whose logits were non-finite (flagged inside the jit).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
+
+# What a decoder does after a call in which some rows saw non-finite logits.
+NONFINITE_ACTIONS = ('raise', 'warn', 'ignore')
 
 
 def is_concrete(array) -> bool:
@@ -52,3 +58,31 @@ def check_encoder_tokens(encoder_tokens, vocab_size: int, max_input_length: int 
 def check_max_decode_length(max_decode_length: int):
   if int(max_decode_length) < 1:
     raise ValueError(f'max_decode_length must be >= 1, got {max_decode_length}')
+
+
+def check_nonfinite_action(action: str):
+  if action not in NONFINITE_ACTIONS:
+    raise ValueError(f'on_nonfinite must be one of {NONFINITE_ACTIONS}, got {action!r}')
+
+
+def report_nonfinite_rows(nonfinite_rows, action: str):
+  """After a decode: raises FloatingPointError (action 'raise') or warns ('warn') naming
+  the rows whose logits were non-finite (NaN, +inf, or no finite logit).
+
+  nonfinite_rows [b] bool, the decoder's per-row flag. The decoders stop such a row at
+  that step and emit 0 from there, so nothing is sampled from a broken distribution.
+  Reading the flag waits for the decode; 'ignore' and traced flags skip the check.
+  """
+  if action == 'ignore' or not is_concrete(nonfinite_rows):
+    return
+  rows = np.flatnonzero(np.asarray(nonfinite_rows))
+  if not rows.size:
+    return
+  more = f' and {rows.size - 10} more' if rows.size > 10 else ''
+  message = (f'non-finite logits (NaN or +inf) in rows {rows[:10].tolist()}{more} of '
+             f'{np.size(nonfinite_rows)}: those rows were stopped at that step and hold 0 '
+             'from there. Check the parameters (a NaN from training or a corrupt '
+             'checkpoint) and the compute dtype (overflow in float16/bfloat16).')
+  if action == 'raise':
+    raise FloatingPointError(message)
+  warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -193,3 +193,49 @@ def test_generate_is_one_while_loop_without_host_callbacks(tiny_t5):
   text = str(jaxpr)
   assert text.count('while[') == 1
   assert 'callback' not in text
+
+
+# Non-finite logits: flagged on device, reported after the jit, never sampled from.
+
+
+def _nan_params(params):
+  return jax.tree_util.tree_map(lambda x: jnp.full_like(x, jnp.nan), params)
+
+
+def test_nan_params_are_reported_naming_the_rows(tiny_t5):
+  config, params = tiny_t5
+  encoder_tokens = jnp.array([[5, 6, EOS], [9, EOS, 0], [3, EOS, 0]])
+  decode = lambda action: baseline.generate(
+      _nan_params(params), encoder_tokens, config=config, max_decode_length=6,
+      sampling=SamplingConfig(temperature=1.0), on_nonfinite=action)
+  with pytest.raises(FloatingPointError, match=r'non-finite logits .* rows \[0, 1, 2\] of 3'):
+    decode('raise')
+  with pytest.warns(RuntimeWarning, match=r'rows \[0, 1, 2\]'):
+    out = decode('warn')
+  np.testing.assert_array_equal(out.nonfinite_logits, True)
+  np.testing.assert_array_equal(out.tokens, 0)  # Nothing sampled from NaN.
+  np.testing.assert_array_equal(out.log_prob, 0.0)
+  with pytest.raises(ValueError, match='on_nonfinite'):
+    baseline.generate(params, encoder_tokens, config=config, max_decode_length=6,
+                      on_nonfinite='skip')
+
+
+def test_nan_logits_stop_only_their_row_and_minus_inf_is_a_mask():
+  table = _table(3)
+  table[:, EOS] -= 100.0  # Rows run to the end unless they reach token 2.
+  table[:, 6] = -np.inf  # A legal mask: never flagged, never drawn.
+  table[2] = np.nan  # The step after token 2 has NaN logits.
+  prompt = np.zeros((VOCAB, 8), np.int32)
+  prompt[:, 0] = np.arange(VOCAB)  # Row r starts from token r.
+  sequences, _, nonfinite = baseline._sample_loop(
+      jnp.asarray(prompt), jnp.zeros((VOCAB,)), _table_tokens_to_logits(table),
+      jax.random.split(jax.random.PRNGKey(0), VOCAB), jnp.full((VOCAB,), 7, jnp.int32),
+      SamplingConfig(0.0), EOS, True)
+  # Reference: the numpy rollout, cut after the first step that reads table[2].
+  expected = _numpy_greedy(np.nan_to_num(table, nan=0.0, neginf=-1e9), prompt)[:, :7]
+  inputs = np.concatenate([prompt[:, :1], expected[:, :-1]], axis=1)  # token before each
+  reads_nan = np.cumsum(inputs == 2, axis=1) > 0
+  expected[reads_nan] = 0
+  np.testing.assert_array_equal(np.asarray(sequences)[:, :7], expected)
+  np.testing.assert_array_equal(nonfinite, reads_nan.any(axis=1))
+  assert 0 < reads_nan.any(axis=1).sum() < VOCAB and not (expected == 6).any()

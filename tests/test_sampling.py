@@ -213,6 +213,20 @@ def test_standardize_matches_reference(data, vocab, grid):
   np.testing.assert_allclose(probs, reference_standardize(logits, config), atol=1e-5)
 
 
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(data=st.data(), vocab=st.integers(1, 8))
+def test_nonfinite_logits_flags_nan_and_plus_inf_not_masks(data, vocab):
+  rows = [data.draw(logits_vectors(vocab)) for _ in range(4)]
+  # Row 1 gets a NaN, row 2 a +inf, row 3 only -inf; row 0 keeps its -inf masks.
+  rows[1][data.draw(st.integers(0, vocab - 1))] = np.nan
+  rows[2][data.draw(st.integers(0, vocab - 1))] = np.inf
+  rows[3][:] = -np.inf
+  flags = np.asarray(sampling.nonfinite_logits(jnp.asarray(np.stack(rows))))
+  np.testing.assert_array_equal(flags, [False, True, True, True])
+  probs = np.asarray(sampling.standardize(jnp.asarray(rows[0]), SamplingConfig(1.0)))
+  assert np.isfinite(probs).all()  # What is not flagged can be sampled from.
+
+
 def test_sample_logits_draws_from_standardized_distribution():
   logits = jnp.log(jnp.array([0.4, 0.25, 0.2, 0.1, 0.05]))
   config = SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)

@@ -10,6 +10,8 @@
   (chi-square test and a total-variation bound); the same check rejects the draft.
 - Statistics: alpha (Corollary 3.6) against the empirical acceptance rate, and the
   bookkeeping identities between the counters.
+- Rows: a row's samples depend only on its input and key, not on its batch; NaN logits
+  stop a row where the baseline stops it, and are reported.
 
 Each distinct static configuration costs a jit compile, so runs are cached and shared.
 """
@@ -18,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -637,3 +640,92 @@ def test_sampled_lenient_alpha_matches_acceptance_rate():
 def test_greedy_lenient_alpha_is_the_acceptance_rate():
   stats = _greedy_run('random', 3, lenience=0.5).stats
   assert float(stats.alpha) == pytest.approx(_acceptance_rate(stats), abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------
+# 8. Rows are independent and reproducible; non-finite logits stop a row, as in the
+# baseline, and are reported.
+
+
+@functools.cache
+def _sampled_tiny_run(draft='clean', rows=tuple(range(len(ENCODER_LENGTHS)))):
+  """Temperature-1 run on the greedy setup with the 'clean' or 'nan' draft params;
+  `rows` picks the encoder rows and their keys."""
+  draft_params = _draft_params()
+  if draft == 'nan':
+    draft_params = jax.tree_util.tree_map(lambda x: x * jnp.nan, draft_params)
+  keys = jax.random.split(jax.random.PRNGKey(11), len(ENCODER_LENGTHS))
+  rows = np.asarray(rows)
+  return speculative_generate(
+      _target_params(), draft_params, _encoder_tokens()[rows], keys[rows],
+      target_config=TARGET, drafter=T5Drafter(DRAFT), spec=SpeculativeConfig(gamma=3),
+      max_decode_length=MAX_LEN, sampling=SamplingConfig(temperature=1.0),
+      on_nonfinite='ignore')
+
+
+def test_sampled_rows_do_not_depend_on_their_batch():
+  full = _sampled_tiny_run()
+  # Each row moved, beside other rows (row 0 twice, rows 2 and 6 left out).
+  rows = (5, 0, 7, 3, 1, 0, 4, 0)
+  moved = _sampled_tiny_run('clean', rows)
+  np.testing.assert_array_equal(moved.output.tokens, np.asarray(full.output.tokens)[list(rows)])
+  np.testing.assert_allclose(moved.output.log_prob, np.asarray(full.output.log_prob)[list(rows)],
+                             rtol=1e-5)
+  again = _sampled_tiny_run.__wrapped__()  # Same seed, a second run.
+  np.testing.assert_array_equal(again.output.tokens, full.output.tokens)
+  assert len({tuple(row) for row in np.asarray(full.output.tokens)}) > 4  # Rows differ.
+
+
+def _with_nan_embedding(params, token):
+  params = jax.tree_util.tree_map(lambda x: x, params)  # new containers, shared leaves
+  embedder = params['params']['token_embedder']
+  embedder['embedding'] = embedder['embedding'].at[token].set(jnp.nan)
+  return params
+
+
+def _token_reached_mid_output():
+  """A token absent from the inputs that some rows (not all) emit after position 0."""
+  inputs, outputs = _encoder_tokens(), np.asarray(_baseline().tokens)
+  for token in range(3, TARGET.vocab_size):
+    reached = (outputs[:, 1:] == token).any(axis=1)
+    if not (inputs == token).any() and 2 <= reached.sum() < len(reached) - 1:
+      return token, reached
+  raise AssertionError('no suitable token')
+
+
+@pytest.mark.parametrize('gamma', [2, 3])
+def test_nan_target_rows_stop_where_the_baseline_stops(gamma):
+  # Rows that emit `token` read a NaN embedding at the next step, somewhere inside a
+  # verify window; the tokens judged before it are kept, as the baseline keeps them.
+  token, reached = _token_reached_mid_output()
+  params = _with_nan_embedding(_target_params(), token)
+  baseline = generate(params, _encoder_tokens(), config=TARGET, max_decode_length=MAX_LEN,
+                      on_nonfinite='ignore')
+  run = lambda action: speculative_generate(
+      params, _draft_params(), _encoder_tokens(), target_config=TARGET,
+      drafter=T5Drafter(DRAFT), spec=SpeculativeConfig(gamma=gamma),
+      max_decode_length=MAX_LEN, on_nonfinite=action)
+  rows = np.flatnonzero(reached).tolist()
+  with pytest.raises(FloatingPointError, match=re.escape(f'rows {rows} of {len(reached)}')):
+    run('raise')
+  result = run('ignore')
+  np.testing.assert_array_equal(result.output.nonfinite_logits, reached)
+  np.testing.assert_array_equal(baseline.nonfinite_logits, reached)
+  np.testing.assert_array_equal(result.output.tokens, baseline.tokens)
+  clean = np.asarray(_baseline().tokens)
+  np.testing.assert_array_equal(np.asarray(result.output.tokens)[~reached], clean[~reached])
+  for row in rows:  # Up to and including the token, then 0.
+    end = int(np.argmax(clean[row, 1:] == token)) + 2
+    np.testing.assert_array_equal(result.output.tokens[row, :end], clean[row, :end])
+    np.testing.assert_array_equal(result.output.tokens[row, end:], 0)
+  assert np.isfinite(float(result.stats.overlap_sum))
+
+
+def test_nan_drafter_is_reported_not_accepted():
+  # A NaN q passes the accept test (u >= NaN is False); the rows must stop instead.
+  clean, broken = _sampled_tiny_run(), _sampled_tiny_run('nan')
+  first = np.asarray(clean.output.tokens)[:, 0]
+  np.testing.assert_array_equal(broken.output.tokens[:, 0], first)  # Drawn by the target.
+  np.testing.assert_array_equal(broken.output.tokens[:, 1:], 0)
+  np.testing.assert_array_equal(broken.output.nonfinite_logits, first != EOS_ID)
+  assert (first != EOS_ID).sum() >= 4

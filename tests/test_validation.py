@@ -9,7 +9,7 @@ from jaxspec import get_config
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.drafters import UnigramDrafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.validation import check_encoder_tokens
+from jaxspec.validation import check_encoder_tokens, report_nonfinite_rows
 
 CONFIG = get_config('test_tiny_1_1')
 
@@ -51,3 +51,15 @@ def test_decoders_validate_before_tracing():
     speculative_generate(params, None, empty_row[:1], target_config=CONFIG,
                          drafter=UnigramDrafter(CONFIG.vocab_size + 1),
                          spec=SpeculativeConfig(gamma=2), max_decode_length=4)
+
+
+def test_nonfinite_rows_are_named_and_counted():
+  flags = np.zeros(30, bool)
+  flags[[2, 5] + list(range(12, 24))] = True
+  with pytest.raises(FloatingPointError,
+                     match=r'rows \[2, 5, 12, 13, 14, 15, 16, 17, 18, 19\] and 4 more of 30'):
+    report_nonfinite_rows(flags, 'raise')
+  with pytest.warns(RuntimeWarning, match=r'rows \[2, 5,'):
+    report_nonfinite_rows(flags, 'warn')
+  report_nonfinite_rows(flags, 'ignore')
+  report_nonfinite_rows(np.zeros(3, bool), 'raise')  # Nothing to report.

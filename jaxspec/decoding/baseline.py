@@ -20,7 +20,7 @@ from jaxspec import validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common
 from jaxspec.model import T5
-from jaxspec.sampling import SamplingConfig, sample_logits, token_log_probs
+from jaxspec.sampling import SamplingConfig, nonfinite_logits, sample_logits, token_log_probs
 
 
 @flax.struct.dataclass
@@ -40,6 +40,7 @@ class _LoopState:
   ended: jax.Array  # [b] bool
   cache: Any
   row_keys: jax.Array  # [b] per-row PRNG keys
+  nonfinite: jax.Array  # [b] bool, the row met non-finite logits and was stopped
 
 
 def _sampling_config(temperature, topk, topp) -> SamplingConfig:
@@ -53,7 +54,9 @@ def _sample_loop(prompt, cache, tokens_to_logits, row_keys, row_limits,
   """The decode loop. prompt [b, L] shifted right (0 = free position, start at 0).
 
   row_limits [b]: row b generates positions 1..row_limits[b] of the sequence.
-  Returns sequences [b, L] (without the start token) and token log-probs [b, L].
+  Returns sequences [b, L] (without the start token), token log-probs [b, L] and
+  nonfinite [b]: rows whose logits held NaN or +inf; such a row ends at that step
+  and emits 0 instead of a sample (checked on device, no host round-trip).
   """
   batch, length = prompt.shape
   forced = jnp.pad(prompt, ((0, 0), (0, 1)))  # [b, L+1]; forced[:, i] != 0 is a prompt token
@@ -73,17 +76,21 @@ def _sample_loop(prompt, cache, tokens_to_logits, row_keys, row_limits,
     step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.row_keys, step)
     sampled = jax.vmap(lambda k, l: sample_logits(k, l, sampling))(step_keys, logits)
     log_prob = token_log_probs(logits, sampled, sampling, rescale_log_probs)  # [b]
+    broken = ~state.ended & nonfinite_logits(logits)  # [b]
     prompt_token = forced[:, step + 1]
     is_forced = prompt_token != 0
-    free = ~state.ended & ~is_forced
-    next_token = jnp.where(is_forced, prompt_token, jnp.where(state.ended, 0, sampled))
+    free = ~state.ended & ~is_forced & ~broken
+    next_token = jnp.where(is_forced, prompt_token,
+                           jnp.where(state.ended | broken, 0, sampled))
     log_prob = jnp.where(free, log_prob, 0.0)
-    ended = state.ended | (free & (next_token == eos_id)) | (step + 1 >= row_limits)
+    ended = (state.ended | broken | (free & (next_token == eos_id))
+             | (step + 1 >= row_limits))
     new_state = _LoopState(
         step=step + 1,
         sequences=state.sequences.at[:, step + 1].set(next_token),
         token_log_probs=state.token_log_probs.at[:, step].set(log_prob),
-        ended=ended, cache=cache, row_keys=state.row_keys)
+        ended=ended, cache=cache, row_keys=state.row_keys,
+        nonfinite=state.nonfinite | broken)
     if state_callback_fn is not None:
       new_state = state_callback_fn(new_state)
     return new_state
@@ -92,9 +99,10 @@ def _sample_loop(prompt, cache, tokens_to_logits, row_keys, row_limits,
       step=jnp.zeros((), jnp.int32),
       sequences=jnp.pad(prompt[:, :1], ((0, 0), (0, length))),
       token_log_probs=jnp.zeros((batch, length), jnp.float32),
-      ended=row_limits < 1, cache=cache, row_keys=row_keys)
+      ended=row_limits < 1, cache=cache, row_keys=row_keys,
+      nonfinite=jnp.zeros((batch,), bool))
   final = jax.lax.while_loop(cond, body, initial)
-  return final.sequences[:, 1:], final.token_log_probs
+  return final.sequences[:, 1:], final.token_log_probs, final.nonfinite
 
 
 def temperature_sample(inputs, cache, tokens_to_logits: Callable, eos_id: int,
@@ -131,7 +139,8 @@ def temperature_sample(inputs, cache, tokens_to_logits: Callable, eos_id: int,
   row_limits = jnp.broadcast_to(steps, (batch * num_decodes,)).astype(jnp.int32)
   rng = decode_rng if decode_rng is not None else jax.random.PRNGKey(0)
   row_keys = common.row_keys(rng, batch * num_decodes)
-  sequences, log_probs = _sample_loop(
+  # T5X's return values have no room for the non-finite flag; such rows still end.
+  sequences, log_probs, _ = _sample_loop(
       prompt, cache, tokens_to_logits, row_keys, row_limits, sampling, eos_id,
       rescale_log_probs, state_callback_fn, logit_callback_fn)
   sequences = sequences.reshape(batch, num_decodes, length)
@@ -143,17 +152,23 @@ def temperature_sample(inputs, cache, tokens_to_logits: Callable, eos_id: int,
 
 def generate(params, encoder_tokens, rng=None, *, config: T5Config, max_decode_length: int,
              sampling: SamplingConfig = SamplingConfig(), eos_id: int = EOS_ID,
-             rescale_log_probs: bool = True) -> common.DecodeOutput:
+             rescale_log_probs: bool = True,
+             on_nonfinite: str = 'raise') -> common.DecodeOutput:
   """Decodes encoder_tokens [b, s] with the T5 `params`, one token per step.
 
   rng: one PRNG key (row b uses fold_in(rng, b)) or per-row keys [b]. Returns a
   DecodeOutput with tokens [b, max_decode_length] (0 after EOS). Runs as one jit.
+  on_nonfinite: 'raise' (FloatingPointError naming the rows), 'warn' or 'ignore' when
+  a row met NaN/+inf logits (output.nonfinite_logits; the row stopped there).
   """
   validation.check_encoder_tokens(encoder_tokens, config.vocab_size)
   validation.check_max_decode_length(max_decode_length)
-  return _generate(params, encoder_tokens, rng, config=config,
-                   max_decode_length=max_decode_length, sampling=sampling, eos_id=eos_id,
-                   rescale_log_probs=rescale_log_probs)
+  validation.check_nonfinite_action(on_nonfinite)
+  output = _generate(params, encoder_tokens, rng, config=config,
+                     max_decode_length=max_decode_length, sampling=sampling, eos_id=eos_id,
+                     rescale_log_probs=rescale_log_probs)
+  validation.report_nonfinite_rows(output.nonfinite_logits, on_nonfinite)
+  return output
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'max_decode_length', 'sampling',
@@ -172,7 +187,7 @@ def _generate(params, encoder_tokens, rng, *, config: T5Config, max_decode_lengt
   batch = encoder_tokens.shape[0]
   prompt = jnp.zeros((batch, max_decode_length), jnp.int32)
   row_limits = jnp.full((batch,), max_decode_length, jnp.int32)
-  tokens, log_probs = _sample_loop(
+  tokens, log_probs, nonfinite = _sample_loop(
       prompt, cache, tokens_to_logits, common.row_keys(rng, batch), row_limits, sampling,
       eos_id, rescale_log_probs)
-  return common.DecodeOutput.from_tokens(tokens, log_probs, eos_id)
+  return common.DecodeOutput.from_tokens(tokens, log_probs, eos_id, nonfinite)

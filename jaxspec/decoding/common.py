@@ -13,12 +13,17 @@ class DecodeOutput:
   token_log_probs: jax.Array  # [b, max_decode_length] float32, 0 after the end
   log_prob: jax.Array  # [b] float32, sum of token_log_probs
   lengths: jax.Array  # [b] int32, tokens up to and including the first EOS
+  # [b] bool: the row met non-finite logits (NaN, +inf) and was stopped there, 0 after.
+  nonfinite_logits: jax.Array
 
   @classmethod
-  def from_tokens(cls, tokens, token_log_probs, eos_id: int) -> 'DecodeOutput':
+  def from_tokens(cls, tokens, token_log_probs, eos_id: int,
+                  nonfinite_logits=None) -> 'DecodeOutput':
+    if nonfinite_logits is None:
+      nonfinite_logits = jnp.zeros(tokens.shape[:1], bool)
     return cls(tokens=tokens, token_log_probs=token_log_probs,
                log_prob=jnp.sum(token_log_probs, axis=1),
-               lengths=sequence_lengths(tokens, eos_id))
+               lengths=sequence_lengths(tokens, eos_id), nonfinite_logits=nonfinite_logits)
 
 
 def sequence_lengths(tokens, eos_id: int):

@@ -29,7 +29,8 @@ from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common
 from jaxspec.decoding.drafter import DraftContext, Drafter, draw_tokens
 from jaxspec.model import T5, DecoderCache, rollback
-from jaxspec.sampling import SamplingConfig, gather_probs, speculative_verdict, standardize
+from jaxspec.sampling import (SamplingConfig, gather_probs, nonfinite_logits,
+                              speculative_verdict, standardize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,7 @@ class _LoopState:
   row_keys: jax.Array  # [b]
   iteration: jax.Array  # []
   stats: SpeculativeStats
+  nonfinite: jax.Array  # [b] bool, the row met non-finite logits and was stopped
 
 
 def _log_prob_of(probs, tokens, sampling: SamplingConfig):
@@ -91,6 +93,12 @@ def _log_prob_of(probs, tokens, sampling: SamplingConfig):
   if sampling.is_greedy:
     return jnp.zeros(tokens.shape, jnp.float32)
   return jnp.log(jnp.maximum(gather_probs(probs, tokens), 1e-38))
+
+
+def _nonfinite_positions(target_logits, draft_probs):
+  """target_logits [b, g+1, v], draft q [b, g, v] -> [b, g+1] bool: p or q is not finite."""
+  nan_q = jnp.any(jnp.isnan(draft_probs), axis=-1)  # [b, g]
+  return nonfinite_logits(target_logits) | jnp.pad(nan_q, ((0, 0), (0, 1)))
 
 
 def _commit(state: _LoopState, candidates, candidate_log_probs, count, eos_id: int):
@@ -147,14 +155,21 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
       in_axes=(0, 0, 0, 0, None if raw_target_probs is None else 0))(
           verdict_keys, drafts, draft_probs, target_probs, raw_target_probs)
   n = verdict.num_accepted  # [b]
+  # The verdict used p and q at positions 0..n, and a NaN there passes the accept test
+  # (u >= NaN is False). A row keeps the tokens judged before its first non-finite
+  # position and stops there, as the baseline would; the wrapper reports it.
+  invalid = _nonfinite_positions(logits, draft_probs) & (
+      jnp.arange(gamma + 1)[None, :] <= n[:, None])  # [b, g+1]
+  broken = ~state.done & jnp.any(invalid, axis=1)  # [b]
+  kept = jnp.where(broken, jnp.argmax(invalid, axis=1), n + 1)  # [b]
 
   offsets = jnp.arange(gamma + 1)[None, :]
   padded_drafts = jnp.pad(drafts, ((0, 0), (0, 1)))
   candidates = jnp.where(offsets < n[:, None], padded_drafts,
                          jnp.where(offsets == n[:, None], verdict.next_token[:, None], 0))
   candidate_log_probs = _log_prob_of(target_probs, candidates, sampling)
-  active = ~state.done
-  count = jnp.where(active, n + 1, 0)
+  count = jnp.where(state.done, 0, kept)
+  active = ~state.done & ~broken  # Rows whose verdict counts in the statistics.
   tokens, log_probs, length, done = _commit(state, candidates, candidate_log_probs, count,
                                             eos_id)
 
@@ -171,9 +186,10 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
           jax.nn.one_hot(n, gamma + 1, dtype=jnp.int32) * active[:, None], axis=0),
       overlap_sum=stats.overlap_sum + jnp.sum(jnp.where(verified, verdict.overlap, 0.0)),
       verified_positions=stats.verified_positions + jnp.sum(verified))
-  return state.replace(tokens=tokens, token_log_probs=log_probs, length=length, done=done,
-                       target_cache=target_cache, drafter_state=drafter_state,
-                       iteration=state.iteration + 1, stats=stats)
+  return state.replace(tokens=tokens, token_log_probs=log_probs, length=length,
+                       done=done | broken, target_cache=target_cache,
+                       drafter_state=drafter_state, iteration=state.iteration + 1,
+                       stats=stats, nonfinite=state.nonfinite | broken)
 
 
 def check_compatible(target_config: T5Config, drafter: Drafter):
@@ -197,38 +213,46 @@ def _first_token(target_params, encoder_tokens, row_keys, *, target_config, cach
   probs = standardize(logits[:, 0], sampling)
   # Key 0 of each row draws the first token; iterations use keys 1, 2, ...
   first_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, 0)
-  first = draw_tokens(first_keys, probs, sampling)
+  broken = nonfinite_logits(logits[:, 0])  # [b]; such rows stop before their first token
+  first = jnp.where(broken, 0, draw_tokens(first_keys, probs, sampling))
   tokens = jnp.zeros((batch, max_decode_length), jnp.int32).at[:, 0].set(first)
   log_probs = jnp.zeros((batch, max_decode_length), jnp.float32).at[:, 0].set(
-      _log_prob_of(probs, first, sampling))
-  done = (first == eos_id) | (max_decode_length <= 1)
+      jnp.where(broken, 0.0, _log_prob_of(probs, first, sampling)))
+  done = (first == eos_id) | (max_decode_length <= 1) | broken
   stats = SpeculativeStats(
       target_calls=jnp.ones((), jnp.int32), draft_calls=jnp.zeros((), jnp.int32),
       row_target_calls=jnp.ones((batch,), jnp.int32),
       accepted_per_position=jnp.zeros((gamma,), jnp.int32),
       num_accepted_counts=jnp.zeros((gamma + 1,), jnp.int32),
       overlap_sum=jnp.zeros((), jnp.float32), verified_positions=jnp.zeros((), jnp.int32))
-  return tokens, log_probs, done, cache, stats
+  return tokens, log_probs, done, cache, stats, broken
 
 
 def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None, *,
                          target_config: T5Config, drafter: Drafter,
                          spec: SpeculativeConfig, max_decode_length: int,
                          sampling: SamplingConfig = SamplingConfig(),
-                         eos_id: int = EOS_ID) -> SpeculativeOutput:
+                         eos_id: int = EOS_ID,
+                         on_nonfinite: str = 'raise') -> SpeculativeOutput:
   """Decodes encoder_tokens [b, s] from the target, with the drafter proposing.
 
   The output distribution is the target's under `sampling` (token for token the
   baseline's when argmax), for any drafter, as long as spec.lenience == 1.
   rng: one PRNG key (row b uses fold_in(rng, b)) or per-row keys [b]. Runs as one jit.
+  on_nonfinite: 'raise' (FloatingPointError naming the rows), 'warn' or 'ignore' when
+  a row met NaN/+inf target logits or NaN draft q (output.nonfinite_logits; the row
+  stopped there).
   """
   check_compatible(target_config, drafter)
   validation.check_encoder_tokens(encoder_tokens, target_config.vocab_size)
   validation.check_max_decode_length(max_decode_length)
-  return _speculative_generate(
+  validation.check_nonfinite_action(on_nonfinite)
+  result = _speculative_generate(
       target_params, drafter_params, encoder_tokens, rng, target_config=target_config,
       drafter=drafter, spec=spec, max_decode_length=max_decode_length, sampling=sampling,
       eos_id=eos_id)
+  validation.report_nonfinite_rows(result.output.nonfinite_logits, on_nonfinite)
+  return result
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -241,7 +265,7 @@ def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
   row_keys = common.row_keys(rng, batch)
   # Room for a full verify window even from the last position; writes past it drop.
   cache_length = max_decode_length + spec.gamma
-  tokens, log_probs, done, target_cache, stats = _first_token(
+  tokens, log_probs, done, target_cache, stats, nonfinite = _first_token(
       target_params, encoder_tokens, row_keys, target_config=target_config,
       cache_length=cache_length, max_decode_length=max_decode_length, sampling=sampling,
       gamma=spec.gamma, eos_id=eos_id)
@@ -249,11 +273,13 @@ def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
       tokens=tokens, token_log_probs=log_probs, length=jnp.ones((batch,), jnp.int32),
       done=done, target_cache=target_cache,
       drafter_state=drafter.init_state(drafter_params, encoder_tokens, cache_length),
-      row_keys=row_keys, iteration=jnp.ones((), jnp.int32), stats=stats)
+      row_keys=row_keys, iteration=jnp.ones((), jnp.int32), stats=stats,
+      nonfinite=nonfinite)
   body = functools.partial(
       _iteration, target_params=target_params, drafter_params=drafter_params,
       encoder_tokens=encoder_tokens, target_config=target_config, drafter=drafter,
       spec=spec, sampling=sampling, eos_id=eos_id)
   final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, initial)
-  output = common.DecodeOutput.from_tokens(final.tokens, final.token_log_probs, eos_id)
+  output = common.DecodeOutput.from_tokens(final.tokens, final.token_log_probs, eos_id,
+                                           final.nonfinite)
   return SpeculativeOutput(output=output, stats=final.stats)
