@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxspec.checkpoints import t5x as t5x_checkpoints
 from jaxspec.config import T5Config
+from jaxspec.data import corpora
 
 
 def load_model_params(checkpoint: str, config: T5Config):
@@ -34,11 +35,37 @@ def pad_rows(rows: Sequence[Sequence[int]], length: int) -> np.ndarray:
   return out
 
 
+OVERLONG_ACTIONS = ('truncate', 'error')
+
+
+def fit_inputs(rows: Sequence[Sequence[int]], length: int,
+               overlong: str = 'truncate') -> tuple[np.ndarray, list[int]]:
+  """Token id lists (without EOS) -> ([len(rows), length] int32 ending in EOS, the
+  indices of the rows that did not fit).
+
+  A row fits if it and its EOS take at most `length` tokens. overlong 'truncate' cuts
+  the others to length - 1 tokens plus EOS (seqio's append_eos_after_trim); 'error'
+  raises ValueError naming them. The caller reports what was truncated.
+  """
+  if overlong not in OVERLONG_ACTIONS:
+    raise ValueError(f'overlong must be one of {OVERLONG_ACTIONS}, got {overlong!r}')
+  too_long = [i for i, row in enumerate(rows) if len(row) + 1 > length]
+  if too_long and overlong == 'error':
+    raise ValueError(
+        f'{len(too_long)} of {len(rows)} inputs are longer than the input length {length} '
+        f'(with EOS): rows {too_long[:10]}, the first with {len(rows[too_long[0]]) + 1} '
+        "tokens; raise the input length or let them be truncated (overlong 'truncate')")
+  fitted = [corpora.trim_and_append_eos(list(row), length) for row in rows]
+  return pad_rows(fitted, length), too_long
+
+
 class ResumableJsonl:
   """An append-only JSONL file of records keyed by 'index', safe to kill at any point.
 
   Each batch of records is appended and fsynced; on open, a torn last line (from a
-  kill mid-write) is cut off, so restarting never duplicates or loses a record.
+  kill mid-write) is cut off, and records whose index is already stored are not
+  appended again (a batch cut short is redone), so restarting never duplicates or
+  loses a record.
   """
 
   def __init__(self, path: str):
@@ -52,14 +79,19 @@ class ResumableJsonl:
     with open(self.path, 'rb') as f:
       data = f.read()
     keep = data.rfind(b'\n') + 1  # Bytes up to the last complete line.
-    for line in data[:keep].splitlines():
-      record = json.loads(line)
+    for number, line in enumerate(data[:keep].splitlines(), 1):
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as error:  # Only the last line can be torn by a kill.
+        raise ValueError(f'{self.path}, line {number}, is not a JSON record ({error}); '
+                         'only a torn last line is repaired on resume') from error
       self.records[record['index']] = record
     if keep != len(data):
       with open(self.path, 'r+b') as f:
         f.truncate(keep)
 
   def append(self, records: Iterable[dict]):
+    records = list({r['index']: r for r in records if r['index'] not in self.records}.values())
     lines = ''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in records)
     with open(self.path, 'a', encoding='utf-8') as f:
       f.write(lines)

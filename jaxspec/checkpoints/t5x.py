@@ -433,12 +433,30 @@ def _leaf_shapes(flat: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def _read_specs(flat: Mapping[str, Any], directory: str) -> dict[str, np.ndarray]:
-  """Reads every spec leaf of `flat` (all reads run concurrently); arrays pass through."""
+  """Reads every spec leaf of `flat` (all reads run concurrently); arrays pass through.
+
+  Raises FileNotFoundError for a missing zarr array and ValueError for an unreadable
+  one, naming the array's directory and the parameter.
+  """
   opened = {path: ts.open(absolute_ts_spec(leaf, directory), open=True, read=True)
             for path, leaf in flat.items() if is_ts_spec(leaf)}
-  reads = {path: future.result().read() for path, future in opened.items()}
-  return {path: reads[path].result() if path in reads else np.asarray(leaf)
-          for path, leaf in flat.items()}
+  reads = {path: _named_errors(path, flat[path], directory, lambda f=future: f.result().read())
+           for path, future in opened.items()}
+  return {path: (_named_errors(path, leaf, directory, reads[path].result) if path in reads
+                 else np.asarray(leaf)) for path, leaf in flat.items()}
+
+
+def _named_errors(path: str, spec: Mapping[str, Any], directory: str, get):
+  """get(), with TensorStore's errors (all ValueError) naming the array and parameter."""
+  try:
+    return get()
+  except ValueError as error:
+    where = _join(directory, _sources({path: spec})[path])
+    if 'NOT_FOUND' in str(error):
+      raise FileNotFoundError(f'{where}: the zarr array of parameter {path} is missing; '
+                              f'the checkpoint is incomplete ({error})') from error
+    raise ValueError(f'{where}: the zarr array of parameter {path} is corrupt or '
+                     f'unreadable ({error})') from error
 
 
 def _sources(flat: Mapping[str, Any]) -> dict[str, str]:

@@ -101,6 +101,11 @@ def trim_and_append_eos(ids: list[int], length: int) -> list[int]:
   return ids[:length - 1] + [EOS_ID]
 
 
+def input_ids(example: dict, corpus: str, vocab: Vocabulary) -> list[int]:
+  """Ids of `TASK_PREFIXES[corpus] + example['inputs']`, untrimmed, without EOS."""
+  return vocab.encode(TASK_PREFIXES[corpus] + example['inputs'])
+
+
 def encode_example(example: dict, corpus: str, vocab: Vocabulary,
                    input_length: int, target_length: int) -> tuple[list[int], list[int]]:
   """(input ids, target ids) of an example, as T5's seqio task would feed them.
@@ -108,7 +113,7 @@ def encode_example(example: dict, corpus: str, vocab: Vocabulary,
   Inputs are `TASK_PREFIXES[corpus] + example['inputs']`; each side holds at
   most its length in tokens and always ends in EOS.
   """
-  inputs = vocab.encode(TASK_PREFIXES[corpus] + example['inputs'])
+  inputs = input_ids(example, corpus, vocab)
   targets = vocab.encode(example['targets'])
   return (trim_and_append_eos(inputs, input_length),
           trim_and_append_eos(targets, target_length))

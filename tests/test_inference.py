@@ -1,0 +1,110 @@
+"""Run-level pieces: input fitting, the resumable JSONL writer, and the errors of
+loading a missing or damaged checkpoint."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec import inference
+from jaxspec.checkpoints.t5x import save_t5x_checkpoint
+from jaxspec.config import EOS_ID, get_config
+from jaxspec.model import init_params
+
+CONFIG = get_config('test_tiny_1_1')
+
+
+def test_fit_inputs_pads_and_truncates_over_long_rows():
+  rows = [[5, 6], [5, 6, 7], [5, 6, 7, 8, 9]]
+  inputs, truncated = inference.fit_inputs(rows, 4, 'truncate')
+  np.testing.assert_array_equal(inputs, [[5, 6, EOS_ID, 0], [5, 6, 7, EOS_ID],
+                                         [5, 6, 7, EOS_ID]])
+  assert truncated == [2]
+  assert inference.fit_inputs(rows[:2], 4, 'error')[1] == []
+
+
+def test_fit_inputs_refuses_over_long_rows_by_config():
+  rows = [[5] * 3, [5] * 8, [5] * 2, [5] * 6]
+  with pytest.raises(ValueError, match=r'2 of 4 inputs are longer than the input length 4 '
+                     r'\(with EOS\): rows \[1, 3\], the first with 9 tokens'):
+    inference.fit_inputs(rows, 4, 'error')
+  with pytest.raises(ValueError, match='overlong must be one of'):
+    inference.fit_inputs(rows, 4, 'drop')
+
+
+def _record(index):
+  return {'index': index, 'prediction': f'Satz {index} ü'}
+
+
+def test_resumable_jsonl_drops_a_torn_last_line(tmp_path):
+  path = str(tmp_path / 'out.jsonl')
+  inference.ResumableJsonl(path).append([_record(0), _record(1)])
+  with open(path, 'ab') as f:
+    f.write(json.dumps(_record(2)).encode()[:9])  # A kill mid-write.
+  writer = inference.ResumableJsonl(path)
+  assert sorted(writer.records) == [0, 1]
+  writer.append([_record(2)])
+  with open(path, encoding='utf-8') as f:
+    assert [json.loads(line) for line in f] == [_record(0), _record(1), _record(2)]
+
+
+def test_resumable_jsonl_never_appends_a_stored_index(tmp_path):
+  # A batch cut short by a kill is redone; its stored records are not written twice.
+  path = str(tmp_path / 'out.jsonl')
+  inference.ResumableJsonl(path).append([_record(0), _record(1)])
+  inference.ResumableJsonl(path).append([_record(1), _record(2), _record(2)])
+  with open(path) as f:
+    assert [json.loads(line)['index'] for line in f] == [0, 1, 2]
+
+
+def test_resumable_jsonl_names_a_damaged_complete_line(tmp_path):
+  path = tmp_path / 'out.jsonl'
+  path.write_text('{"index": 0}\n{"index": 1, \n{"index": 2}\n')
+  with pytest.raises(ValueError, match=r'out.jsonl, line 2, is not a JSON record'):
+    inference.ResumableJsonl(str(path))
+
+
+@pytest.fixture(scope='module')
+def checkpoint_dir(tmp_path_factory):
+  directory = tmp_path_factory.mktemp('checkpoints')
+  params = jax.device_get(init_params(CONFIG, jax.random.PRNGKey(0)))
+  return save_t5x_checkpoint(directory, params, 1, inline_threshold=256)
+
+
+def _damage(checkpoint, how):
+  embedding = os.path.join(checkpoint, 'target.token_embedder.embedding')
+  if how == 'not_a_checkpoint':
+    os.remove(os.path.join(checkpoint, 'checkpoint'))
+  elif how == 'truncated_msgpack':
+    path = os.path.join(checkpoint, 'checkpoint')
+    with open(path, 'rb') as f:
+      data = f.read()
+    with open(path, 'wb') as f:
+      f.write(data[:len(data) // 2])
+  elif how == 'missing_zarr_array':
+    shutil.rmtree(embedding)
+  elif how == 'corrupt_zarr_chunk':
+    with open(os.path.join(embedding, '0.0'), 'wb') as f:
+      f.write(b'not gzip')
+
+
+@pytest.mark.parametrize('how, error, message', [
+    ('not_a_checkpoint', FileNotFoundError, r'is not a T5X checkpoint: it holds no `checkpoint`'),
+    ('truncated_msgpack', ValueError, r'checkpoint_1/checkpoint is corrupt'),
+    ('missing_zarr_array', FileNotFoundError,
+     r'target.token_embedder.embedding: the zarr array of parameter token_embedder/embedding '
+     r'is missing'),
+    ('corrupt_zarr_chunk', ValueError,
+     r'target.token_embedder.embedding: the zarr array of parameter token_embedder/embedding '
+     r'is corrupt'),
+])
+def test_load_model_params_names_what_is_wrong(checkpoint_dir, tmp_path, how, error, message):
+  damaged = str(tmp_path / 'checkpoint_1')
+  shutil.copytree(checkpoint_dir, damaged)
+  inference.load_model_params(damaged, CONFIG)  # Intact, it loads.
+  _damage(damaged, how)
+  with pytest.raises(error, match=message):
+    inference.load_model_params(damaged, CONFIG)
