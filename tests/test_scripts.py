@@ -1,9 +1,15 @@
 """The launchers end to end on tiny models: training resumes exactly, inference
-resumes without redoing or losing records."""
+resumes without redoing or losing records (also after SIGTERM or SIGKILL), samples
+do not depend on the batch size, and bad configuration is refused clearly."""
 
 import json
 import os
+import random
+import re
+import signal
+import subprocess
 import sys
+import time
 
 import gin
 import jax
@@ -150,3 +156,117 @@ def test_infer_resumes_without_redoing_or_losing_records(tiny_checkpoints):
   for record in kept:  # Finished records are kept as they were, not decoded again.
     assert by_index[record['index']] == record
   assert by_index[4]['tokens'] == {r['index']: r for r in complete}[4]['tokens']
+
+
+def test_unknown_gin_binding_names_the_file_line_and_fix(tmp_path):
+  path = tmp_path / 'typo.gin'
+  path.write_text("include 'gin/tasks/ende.gin'\ninfer.num_exampels = 3\n")
+  with pytest.raises(ValueError, match=re.escape(
+      "Configurable 'infer' doesn't have a parameter named 'num_exampels'.\n"
+      f'  In file "{path}", line 2\n    infer.num_exampels = 3\n'
+      "  Did you mean 'num_examples'?")):
+    gin_flags.parse([f'--gin_file={path}'])
+  gin.clear_config()
+  with pytest.raises(ValueError, match=r"infer takes: target_model, target_checkpoint, "):
+    gin_flags.parse(['--gin.infer.zzz=3'])
+  gin.clear_config()
+  with pytest.raises(ValueError, match=r"No configurable matching 'infr'"):
+    gin_flags.parse(['--gin.infr.num_examples=3'])
+
+
+def _predictions(out_dir, name):
+  return {r['index']: r['tokens'] for r in _records(out_dir / f'{name}.jsonl')}
+
+
+def test_sampled_predictions_do_not_depend_on_the_batch_size(tiny_checkpoints):
+  tmp_path = tiny_checkpoints
+  runs = {'batch1': ['infer.batch_size=1'], 'batch4': ['infer.batch_size=4'],
+          'seed1': ['infer.batch_size=4', 'infer.seed=1']}
+  for name, bindings in runs.items():
+    _parse(tmp_path, _infer_config(tmp_path),
+           bindings + ['TEMPERATURE=1.0', 'infer.num_examples=8',
+                       f"infer.output_dir='{tmp_path / name}'"])
+    infer_script.infer()
+  for decoder in ('baseline', 'speculative'):
+    batch1 = _predictions(tmp_path / 'batch1', decoder)
+    assert sorted(batch1) == list(range(8))
+    assert _predictions(tmp_path / 'batch4', decoder) == batch1
+    # Teeth: the samples do depend on the seed.
+    assert _predictions(tmp_path / 'seed1', decoder) != batch1
+
+
+# Interruption: scripts/infer.py as a subprocess, killed and started again.
+
+INTERRUPTED_EXAMPLES = 20
+DECODERS = ('baseline', 'speculative')
+
+
+def _infer_command(config, out_dir):
+  return [sys.executable, os.path.join(REPO, 'scripts', 'infer.py'), f'--gin_file={config}',
+          f'--gin.infer.num_examples={INTERRUPTED_EXAMPLES}', '--gin.infer.max_decode_length=32',
+          f"--gin.infer.output_dir='{out_dir}'"]
+
+
+def _subprocess_env(tmp_path):
+  """One persistent compilation cache, so only the first process compiles."""
+  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu',
+              JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'jax_cache'),
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+
+
+def _run_to_completion(command, env, log):
+  with open(log, 'ab') as stderr:
+    subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                   check=True, timeout=600)
+
+
+def _lines_on_disk(out_dir):
+  paths = [os.path.join(out_dir, f'{name}.jsonl') for name in DECODERS]
+  return sum(open(p, 'rb').read().count(b'\n') for p in paths if os.path.exists(p))
+
+
+def _kill_after(command, env, log, out_dir, records, sig):
+  """Starts the launcher and sends `sig` once `records` lines are on disk."""
+  with open(log, 'ab') as stderr:
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                               stderr=stderr)
+    deadline = time.monotonic() + 600
+    while (process.poll() is None and _lines_on_disk(out_dir) < records
+           and time.monotonic() < deadline):
+      time.sleep(0.002)
+    process.send_signal(sig)
+    process.wait(timeout=60)
+  return process.returncode
+
+
+def _final_records(out_dir, name):
+  """The JSONL records sorted by index, without the timing field."""
+  records = _records(os.path.join(out_dir, f'{name}.jsonl'))
+  for record in records:
+    record.pop('batch_seconds')
+  return sorted(records, key=lambda r: r['index'])
+
+
+def test_infer_killed_and_restarted_writes_what_an_uninterrupted_run_writes(tiny_checkpoints):
+  tmp_path = tiny_checkpoints
+  config = tmp_path / 'subprocess.gin'
+  config.write_text(_infer_config(tmp_path))
+  env, log = _subprocess_env(tmp_path), tmp_path / 'stderr.log'
+  _run_to_completion(_infer_command(config, tmp_path / 'straight'), env, log)
+  seed = random.randrange(2**32)
+  total = len(DECODERS) * INTERRUPTED_EXAMPLES
+  for sig in (signal.SIGTERM, signal.SIGKILL):
+    out_dir = tmp_path / sig.name
+    # A random point, with a few batches left so the kill lands before the end.
+    records = random.Random(seed + sig).randrange(1, total - 8)
+    command = _infer_command(config, out_dir)
+    returncode = _kill_after(command, env, log, out_dir, records, sig)
+    context = f'{sig.name} after {records} records (seed {seed}); see {log}'
+    assert returncode == -sig, context
+    assert _lines_on_disk(out_dir) < total, context
+    _run_to_completion(command, env, log)
+    for name in DECODERS:
+      resumed = _final_records(out_dir, name)
+      assert [r['index'] for r in resumed] == list(range(INTERRUPTED_EXAMPLES)), context
+      assert resumed == _final_records(tmp_path / 'straight', name), context
