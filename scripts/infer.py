@@ -3,6 +3,9 @@
   python scripts/infer.py                                   # configs/infer/ende_local.gin
   python scripts/infer.py --gin_file=configs/infer/ende_local.gin \
       --gin.infer.num_examples=100 --gin.TEMPERATURE=1.0
+  python scripts/infer.py --gin_file=configs/table2/ende_small_t0.gin \
+      --gin.infer.target_checkpoint="'gs://BUCKET/xxl/checkpoint_N'" \
+      --gin.infer.draft_checkpoint="'gs://BUCKET/small/checkpoint_N'"   # a paper row
 
 T5X-style flags (--gin_file, --gin.NAME=VALUE, --gin_bindings, --gin_search_paths).
 Writes <output_dir>/<decoder>.jsonl (one record per example: inputs, targets,
@@ -14,8 +17,10 @@ summary.json and summary.md).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +33,7 @@ import gin_flags  # scripts/gin_flags.py
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
 from jaxspec import inference, metrics
 from jaxspec.config import EOS_ID, T5Config
-from jaxspec.data import corpora
+from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter, T5Drafter,
                                        UnigramDrafter, fit_bigram, fit_unigram)
@@ -48,11 +53,51 @@ def drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length):
       raise ValueError('a T5 drafter needs infer.draft_checkpoint')
     return inference.load_model_params(draft_checkpoint, drafter.config)
   if isinstance(drafter, (UnigramDrafter, BigramDrafter)):
+    if corpus is None:
+      raise ValueError('n-gram drafters are fitted on a shipped corpus (infer.corpus); '
+                       'with a seqio task other than jaxspec_*_local use a T5 drafter '
+                       'or prompt lookup')
     targets = [corpora.trim_and_append_eos(vocab.encode(e['targets']), target_length)
                for e in corpora.load_split(corpus, 'train')]
     fit = fit_unigram if isinstance(drafter, UnigramDrafter) else fit_bigram
     return fit([np.asarray(t) for t in targets], drafter.vocab_size)
   return ()
+
+
+class TaskData(NamedTuple):
+  """A task split ready to decode."""
+  name: str  # the corpus or the seqio task
+  corpus: str | None  # the shipped corpus behind it, None for T5's seqio tasks
+  examples: list[dict]  # {'inputs', 'targets'} texts
+  input_ids: list[list[int]]  # per example, untrimmed and without EOS
+  vocab: object  # .decode(ids) -> text
+  metric: str  # 'bleu' or 'rouge'
+
+
+def load_task(corpus, seqio_task, split, num_examples, tfds_data_dir) -> TaskData:
+  """The shipped corpus's split or, when seqio_task is set, the seqio task's split."""
+  if seqio_task is None:
+    vocab = corpora.Vocabulary()
+    examples = corpora.load_split(corpus, split)[:num_examples]
+    return TaskData(corpus, corpus, examples,
+                    [corpora.input_ids(e, corpus, vocab) for e in examples], vocab,
+                    metrics.TASK_METRICS[corpus])
+  examples = seqio_tasks.load_examples(seqio_task, split, num_examples, tfds_data_dir)
+  return TaskData(seqio_task, seqio_tasks.LOCAL_TASKS.get(seqio_task),
+                  [{'inputs': e['inputs'], 'targets': e['targets']} for e in examples],
+                  [e['input_ids'] for e in examples], seqio_tasks.task_vocabulary(seqio_task),
+                  seqio_tasks.TASK_METRICS.get(seqio_task, 'rouge'))
+
+
+def encode_inputs(rows, input_length, overlong_inputs):
+  """[len(rows), input_length] int32 inputs from untrimmed ids; over-long ones are cut
+  with a logged warning (overlong_inputs 'truncate') or refused ('error')."""
+  inputs, truncated = inference.fit_inputs(rows, input_length, overlong_inputs)
+  if truncated:
+    logging.warning('%d of %d inputs are longer than input_length %d and were truncated '
+                    '(examples %s); set infer.overlong_inputs = "error" to refuse them',
+                    len(truncated), len(rows), input_length, truncated[:10])
+  return inputs
 
 
 def _speculative_record_stats(stats, row: int) -> dict:
@@ -85,10 +130,17 @@ def _run_decoder(name, decode, batches, examples, vocab, writer, progress_positi
     writer.append(records)
 
 
-def summarize(corpus, draft_name, sampling, spec, writers) -> dict:
+def task_scores(metric, targets, predictions) -> dict:
+  """{'bleu': ...} or the ROUGE scores, as T5's tasks report them."""
+  if metric == 'bleu':
+    return {'bleu': metrics.bleu(targets, predictions)}
+  return metrics.rouge(targets, predictions)
+
+
+def summarize(task, metric, draft_name, sampling, spec, writers) -> dict:
   """Table-2-style summary over the examples both decoders finished."""
   common = sorted(set.intersection(*(set(w.records) for w in writers.values())))
-  summary = {'task': corpus, 'draft': draft_name, 'temperature': sampling.temperature,
+  summary = {'task': task, 'draft': draft_name, 'temperature': sampling.temperature,
              'gamma': spec.gamma, 'lenience': spec.lenience, 'examples': len(common)}
   seconds = {}
   for name, writer in writers.items():
@@ -96,9 +148,9 @@ def summarize(corpus, draft_name, sampling, spec, writers) -> dict:
     batches = {r['batch_start']: r for r in records}
     seconds[name] = sum(r['batch_seconds'] for r in batches.values())
     summary[f'{name}_seconds'] = seconds[name]
-    for metric, value in metrics.task_metric(
-        corpus, [r['targets'] for r in records], [r['prediction'] for r in records]).items():
-      summary[f'{name}_{metric}'] = value
+    for score, value in task_scores(
+        metric, [r['targets'] for r in records], [r['prediction'] for r in records]).items():
+      summary[f'{name}_{score}'] = value
   if 'speculative' in writers:
     records = [writers['speculative'].records[i] for i in common]
     batches = {r['batch_start']: r for r in records}
@@ -130,18 +182,26 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
           input_length: int = 64, max_decode_length: int = 64, batch_size: int = 1,
           sampling: SamplingConfig = SamplingConfig(),
           speculative: SpeculativeConfig = SpeculativeConfig(),
-          decoders: tuple[str, ...] = ('baseline', 'speculative'), seed: int = 0) -> dict:
-  """Runs the decoders over the split and returns the summary."""
+          decoders: tuple[str, ...] = ('baseline', 'speculative'), seed: int = 0,
+          overlong_inputs: str = 'truncate', seqio_task: str | None = None,
+          tfds_data_dir: str | None = None) -> dict:
+  """Runs the decoders over the split and returns the summary.
+
+  overlong_inputs: 'truncate' (as seqio, with a logged warning counting them) or
+  'error' for inputs longer than input_length.
+  seqio_task: read the examples from this seqio task (e.g. T5's wmt_t2t_ende_v003,
+  cnn_dailymail_v002, or jaxspec_ende_local) instead of the shipped `corpus`; needs
+  `pip install 'jaxspec[data]' t5` and, for T5's tasks, the TFDS data prepared
+  (in $TFDS_DATA_DIR or tfds_data_dir).
+  """
   unknown = set(decoders) - {'baseline', 'speculative'}
   if unknown:
     raise ValueError(f"unknown decoders {sorted(unknown)}; use 'baseline', 'speculative'")
-  vocab = corpora.Vocabulary()
-  examples = corpora.load_split(corpus, split)[:num_examples]
-  inputs = inference.pad_rows(
-      [corpora.encode_example(e, corpus, vocab, input_length, max_decode_length)[0]
-       for e in examples], input_length)
+  task = load_task(corpus, seqio_task, split, num_examples, tfds_data_dir)
+  examples, vocab = task.examples, task.vocab
+  inputs = encode_inputs(task.input_ids, input_length, overlong_inputs)
   target_params = inference.load_model_params(target_checkpoint, target_model)
-  params = (drafter_params(drafter, draft_checkpoint, corpus, vocab, max_decode_length)
+  params = (drafter_params(drafter, draft_checkpoint, task.corpus, vocab, max_decode_length)
             if 'speculative' in decoders else None)
   rng = jax.random.PRNGKey(seed)
 
@@ -170,7 +230,7 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   # other keeps each one's compiled program hot.
   for position, name in enumerate(decoders):
     _run_decoder(name, decode_fns[name], batches, examples, vocab, writers[name], position)
-  summary = summarize(corpus, draft_name, sampling, speculative, writers)
+  summary = summarize(task.name, task.metric, draft_name, sampling, speculative, writers)
   summary['device'] = jax.devices()[0].device_kind
   summary['batch_size'] = batch_size
   with open(os.path.join(output_dir, 'summary.json'), 'w') as f:
