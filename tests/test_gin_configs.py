@@ -4,6 +4,7 @@ models (parameter counts from the architecture formula), task, temperature and g
 Nothing here reads gs:// or downloads anything: models are built abstractly."""
 
 import functools
+import importlib
 import pathlib
 import sys
 
@@ -13,11 +14,13 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / 'scripts'))
 
-# The launchers register the gin configurables the files bind (infer, train, benchmark).
-import benchmark as benchmark_script  # noqa: E402,F401
+# The launchers register the gin configurables the files bind (infer, train, ...).
+LAUNCHERS = sorted(p.stem for p in (REPO / 'scripts').glob('*.py')
+                   if '@gin.configurable' in p.read_text())
+for _launcher in LAUNCHERS:
+  importlib.import_module(_launcher)
+
 import gin_flags  # noqa: E402
-import infer as infer_script  # noqa: E402,F401
-import train as train_script  # noqa: E402,F401
 from jaxspec.config import get_config  # noqa: E402
 from jaxspec.model import abstract_params  # noqa: E402
 
