@@ -1,4 +1,4 @@
-"""Hugging Face T5 -> jaxspec: config, parameter conversion and checkpoint loading.
+"""Hugging Face T5 <-> jaxspec: config, parameter conversion, checkpoint loading and export.
 
 Hugging Face (transformers) names and layouts, and what they become here:
 
@@ -16,7 +16,8 @@ Hugging Face (transformers) names and layouts, and what they become here:
   lm_head.weight [V, E]                                  -> decoder/logits_dense/kernel [E, V]
 
 Neither side scales attention logits by 1/sqrt(head_dim), so no kernel is rescaled.
-`torch` and `safetensors` are imported only by the readers that need them.
+Export (`save_hf_checkpoint`) writes the same mapping backwards. `torch` and
+`safetensors` are imported only by the readers and the writer that need them.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.checkpoints.validate import check_params
-from jaxspec.config import T5Config
+from jaxspec.checkpoints.validate import check_params, flatten_params
+from jaxspec.config import EOS_ID, PAD_ID, T5Config
 from jaxspec.model.layers import LAYER_NORM_EPSILON
 
 # Hugging Face `feed_forward_proj` -> jaxspec `mlp_activations`. transformers maps
@@ -277,3 +278,82 @@ def load_hf_checkpoint(directory, **config_overrides) -> tuple[T5Config, dict]:
                             'holds config.json and model.safetensors or pytorch_model.bin)')
   config = config_from_hf(json.loads(config_path.read_text()), **config_overrides)
   return config, params_from_hf(read_hf_state_dict(directory), config)
+
+
+# ---------------------------------------------------------------------------
+# Export: jaxspec -> Hugging Face.
+
+
+def hf_config_from_config(config: T5Config) -> dict[str, Any]:
+  """The transformers `T5Config` dict (config.json) of a jaxspec T5Config.
+
+  `tie_word_embeddings` carries `logits_via_embedding`: transformers < 5 reads True
+  as "logits through the shared embedding, decoder output scaled by d_model**-0.5"
+  (T5 1.0) and False as "own lm_head, unscaled" (T5.1.1), for either activation.
+  transformers >= 5 keeps that meaning in `scale_decoder_outputs`, written as well.
+  """
+  gated = config.mlp_activations == ('gelu', 'linear')
+  return {
+      'architectures': ['T5ForConditionalGeneration'], 'model_type': 't5',
+      'vocab_size': config.vocab_size, 'd_model': config.emb_dim, 'd_kv': config.head_dim,
+      'd_ff': config.mlp_dim, 'num_layers': config.num_encoder_layers,
+      'num_decoder_layers': config.num_decoder_layers, 'num_heads': config.num_heads,
+      'feed_forward_proj': 'gated-gelu' if gated else 'relu',
+      'tie_word_embeddings': config.logits_via_embedding,
+      'scale_decoder_outputs': config.logits_via_embedding,
+      'relative_attention_num_buckets': config.relative_attention_num_buckets,
+      'relative_attention_max_distance': config.relative_attention_max_distance,
+      'layer_norm_epsilon': LAYER_NORM_EPSILON, 'dropout_rate': 0.0,
+      'is_encoder_decoder': True, 'pad_token_id': PAD_ID, 'eos_token_id': EOS_ID,
+      'decoder_start_token_id': PAD_ID,
+  }
+
+
+def _to_hf_layout(path: str, value) -> np.ndarray:
+  """T5X [in, out] ([heads, buckets]) -> HF [out, in] ([buckets, heads]); dtype kept."""
+  value = np.asarray(value)
+  if path != 'token_embedder/embedding' and value.ndim == 2:
+    value = value.T
+  return np.ascontiguousarray(value)
+
+
+def _bare_params(variables):
+  """The 'params' collection of model variables ({'params': ..., ...}), or params as given."""
+  return variables['params'] if 'params' in variables else variables
+
+
+def hf_state_dict(params, config: T5Config) -> dict[str, np.ndarray]:
+  """The HF state dict (key -> numpy array) of jaxspec params (bare or in variables).
+
+  Only `shared.weight` holds the embedding (transformers ties the encoder and decoder
+  copies to it); `lm_head.weight` is written when the logits are untied.
+  """
+  params = _bare_params(params)
+  check_params(params, config)
+  flat = flatten_params(params)
+  sources = {'token_embedder/embedding': 'shared.weight', **hf_keys(config)}
+  if not config.logits_via_embedding:
+    sources['decoder/logits_dense/kernel'] = 'lm_head.weight'
+  return {key: _to_hf_layout(path, flat[path]) for path, key in sources.items()}
+
+
+def save_hf_checkpoint(params, config: T5Config, directory) -> pathlib.Path:
+  """Writes `params` as a HF T5 checkpoint: config.json and model.safetensors.
+
+  Arrays keep their dtype (bfloat16 included). The directory is created if needed;
+  transformers' `T5ForConditionalGeneration.from_pretrained(directory)` loads it.
+  """
+  from safetensors.numpy import save_file  # Lazily: only export needs safetensors.
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  hf_config = hf_config_from_config(config)
+  hf_config['dtype'] = _dtype_name(params)
+  (directory / 'config.json').write_text(json.dumps(hf_config, indent=2) + '\n')
+  save_file(hf_state_dict(params, config), str(directory / 'model.safetensors'),
+            metadata={'format': 'pt'})
+  return directory
+
+
+def _dtype_name(params) -> str:
+  dtypes = {np.dtype(leaf.dtype) for leaf in jax.tree_util.tree_leaves(_bare_params(params))}
+  return str(dtypes.pop()) if len(dtypes) == 1 else 'float32'
