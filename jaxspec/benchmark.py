@@ -108,8 +108,7 @@ def sample_target_outputs(target_params, target_config: T5Config, encoder_tokens
   outputs, masks, batches, counted, start = [], [], [], 0, 0
   while counted < min_tokens and start < len(encoder_tokens):
     stop = min(start + batch_size, len(encoder_tokens))
-    rows = np.asarray(encoder_tokens[start:stop])
-    rows = np.pad(rows, ((0, batch_size - len(rows)), (0, 0)))  # One compiled shape.
+    rows = _pad_to(np.asarray(encoder_tokens[start:stop]), batch_size)  # One compiled shape.
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(start, start + batch_size))
     output = baseline.generate(target_params, rows, keys, config=target_config,
                                max_decode_length=max_decode_length, sampling=sampling)
@@ -157,34 +156,38 @@ def measured_alpha(samples: TargetSamples, target_params, target_config: T5Confi
 
 
 def _pad_to(rows: np.ndarray, batch_size: int) -> np.ndarray:
-  return np.pad(rows, ((0, batch_size - len(rows)),) + ((0, 0),) * (rows.ndim - 1))
+  """rows [n, ...] -> [batch_size, ...], repeating the last row (padding rows are real)."""
+  return np.pad(rows, ((0, batch_size - len(rows)),) + ((0, 0),) * (rows.ndim - 1), mode='edge')
 
 
 # ---------------------------------------------------------------------------
 # Device time of one step, from the slope between two loop lengths.
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-  """Median walltime of fn() (device work waited for) after one untimed run."""
+def fastest_seconds(fn: Callable[[], Any], repeats: int) -> float:
+  """Least walltime of fn() over repeats (device work waited for), after one untimed run.
+
+  The least, not the median: other load on the machine only ever adds time.
+  """
   jax.block_until_ready(fn())
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
-  return float(np.median(times))
+  return float(np.min(times))
 
 
 def _slope(run: Callable[[int], Any], short: int, long: int, repeats: int) -> float:
   """Seconds per iteration of run(n), from n = short and n = long."""
-  return ((median_seconds(lambda: run(long), repeats) - median_seconds(lambda: run(short), repeats))
-          / (long - short))
+  return ((fastest_seconds(lambda: run(long), repeats)
+           - fastest_seconds(lambda: run(short), repeats)) / (long - short))
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'tokens_per_step', 'num_steps',
-                                             'cache_length'))
-def _decode_steps(params, encoder_tokens, *, config: T5Config, tokens_per_step: int,
-                  num_steps: int, cache_length: int):
+@functools.partial(jax.jit, static_argnames=('config', 'tokens_per_step', 'cache_length'))
+def _decode_steps(params, encoder_tokens, num_steps, *, config: T5Config, tokens_per_step: int,
+                  cache_length: int):
+  """Runs num_steps (traced: one compile for every count) cached decode steps."""
   model = T5(config)
   encoded = model.apply(params, encoder_tokens, method=T5.encode)
   cache = model.apply(params, encoded, encoder_tokens, cache_length, method=T5.init_cache)
@@ -206,16 +209,15 @@ def decode_step_seconds(params, config: T5Config, encoder_tokens, tokens_per_ste
                         cache_length: int, steps: tuple[int, int] = (8, 40),
                         repeats: int = 5) -> float:
   """Seconds of one cached decode step of `tokens_per_step` positions per row."""
-  run = lambda n: _decode_steps(params, encoder_tokens, config=config,
-                                tokens_per_step=tokens_per_step, num_steps=n,
-                                cache_length=cache_length)
+  run = lambda n: _decode_steps(params, encoder_tokens, n, config=config,
+                                tokens_per_step=tokens_per_step, cache_length=cache_length)
   return _slope(run, *steps, repeats)
 
 
-@functools.partial(jax.jit, static_argnames=('drafter', 'gamma', 'num_calls', 'cache_length',
-                                             'sampling'))
-def _propose_calls(params, encoder_tokens, tokens, *, drafter: Drafter, gamma: int,
-                   num_calls: int, cache_length: int, sampling: SamplingConfig):
+@functools.partial(jax.jit, static_argnames=('drafter', 'gamma', 'cache_length', 'sampling'))
+def _propose_calls(params, encoder_tokens, tokens, num_calls, *, drafter: Drafter, gamma: int,
+                   cache_length: int, sampling: SamplingConfig):
+  """Runs num_calls (traced) proposals, each fed the drafts of the one before."""
   batch = encoder_tokens.shape[0]
   state = drafter.init_state(params, encoder_tokens, cache_length)
   keys = jax.random.split(jax.random.PRNGKey(0), batch)
@@ -237,8 +239,8 @@ def propose_seconds(drafter: Drafter, params, encoder_tokens, gamma: int, cache_
   """Seconds of one drafter proposal of gamma tokens, as speculative decoding calls it."""
   batch = encoder_tokens.shape[0]
   tokens = jnp.ones((batch, cache_length - gamma), jnp.int32)
-  run = lambda n: _propose_calls(params, encoder_tokens, tokens, drafter=drafter, gamma=gamma,
-                                 num_calls=n, cache_length=cache_length, sampling=sampling)
+  run = lambda n: _propose_calls(params, encoder_tokens, tokens, n, drafter=drafter,
+                                 gamma=gamma, cache_length=cache_length, sampling=sampling)
   return _slope(run, *calls, repeats)
 
 

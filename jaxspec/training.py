@@ -19,7 +19,7 @@ import optax
 from jaxspec.config import T5Config
 from jaxspec.model import T5
 
-LENGTH_QUANTUM = 16  # Batches are padded to a multiple of this: few shapes, few compiles.
+LENGTH_QUANTUM = 16  # Batches up to 4 quanta long are padded to a multiple of this.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +67,21 @@ def make_optimizer(config: OptimizerConfig, num_steps: int) -> optax.GradientTra
 
 
 def _round_up(length: int, quantum: int = LENGTH_QUANTUM) -> int:
-  return max(quantum, -(-length // quantum) * quantum)
+  """The padded length of a batch side: a multiple of quantum up to 4 quanta, then the
+  next of 6, 8, 12, 16, 24, ... quanta, so long inputs compile a few shapes, not dozens."""
+  bucket = max(quantum, -(-length // quantum) * quantum)
+  if bucket <= 4 * quantum:
+    return bucket
+  size = 4 * quantum
+  while size < length:
+    size = size * 3 // 2 if (size // quantum) & (size // quantum - 1) == 0 else size * 4 // 3
+  return size
 
 
 def pad_batch(pairs: Sequence[tuple[list[int], list[int]]]) -> dict[str, np.ndarray]:
   """(input ids, target ids) pairs -> {'inputs', 'targets', 'decoder_inputs'} [b, len].
 
-  Each side is padded with 0 to a multiple of LENGTH_QUANTUM; decoder inputs are the
+  Each side is padded with 0 to its length bucket (`_round_up`); decoder inputs are the
   targets shifted right behind the start token 0.
   """
   input_length = _round_up(max(len(p[0]) for p in pairs))

@@ -102,7 +102,8 @@ def test_every_task_has_a_metric():
 
 @pytest.fixture(scope='module')
 def seqio():
-  return pytest.importorskip('seqio', reason="seqio is in jaxspec's data extra")
+  import seqio  # pylint: disable=import-outside-toplevel  (the test command installs .[test,data])
+  return seqio
 
 
 @pytest.mark.parametrize('name,corpus', sorted(seqio_tasks.LOCAL_TASKS.items()))

@@ -1,0 +1,273 @@
+"""jaxspec.benchmark against independent computations, and scripts/benchmark.py end to end."""
+
+import json
+import os
+import sys
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import benchmark as measure
+from jaxspec.checkpoints.t5x import save_t5x_checkpoint
+from jaxspec.config import EOS_ID, get_config
+from jaxspec.decoding import baseline
+from jaxspec.decoding.drafter import DraftContext
+from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter, T5Drafter,
+                                       UnigramDrafter)
+from jaxspec.model import T5, init_params
+from jaxspec.sampling import SamplingConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, 'scripts'))
+
+import benchmark as benchmark_script  # noqa: E402  (scripts/benchmark.py)
+import gin_flags  # noqa: E402
+
+CONFIG = get_config('test_tiny_1_1')
+GREEDY, SAMPLED = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)
+
+
+@pytest.fixture(scope='module')
+def params():
+  return {'params': init_params(CONFIG, jax.random.PRNGKey(0))['params']}
+
+
+@pytest.fixture(scope='module')
+def encoder_tokens():
+  tokens = np.random.RandomState(0).randint(3, CONFIG.vocab_size, (5, 9)).astype(np.int32)
+  tokens[1, 6:] = 0  # Padding.
+  return tokens
+
+
+def _softmax(x):
+  x = np.asarray(x, np.float64)
+  e = np.exp(x - x.max(axis=-1, keepdims=True))
+  return e / e.sum(axis=-1, keepdims=True)
+
+
+def _target_probs(params, encoder_tokens, tokens):
+  """The target's softmax at every prefix of tokens, from one full forward pass."""
+  decoder_inputs = np.pad(tokens, ((0, 0), (1, 0)))[:, :-1]
+  return _softmax(T5(CONFIG).apply(params, encoder_tokens, decoder_inputs))
+
+
+@pytest.mark.parametrize('sampling', [GREEDY, SAMPLED])
+def test_t5x_style_loop_decodes_what_the_baseline_decodes(params, encoder_tokens, sampling):
+  rng = jax.random.PRNGKey(7)
+  reference = measure.t5x_style_generate(params, encoder_tokens, rng, config=CONFIG,
+                                         max_decode_length=10, sampling=sampling)
+  ours = baseline.generate(params, encoder_tokens, rng, config=CONFIG, max_decode_length=10,
+                           sampling=sampling)
+  np.testing.assert_array_equal(np.asarray(reference), np.asarray(ours.tokens))
+
+
+def test_target_samples_are_the_targets_outputs_and_count_drafted_positions(
+    params, encoder_tokens):
+  rng = jax.random.PRNGKey(3)
+  samples = measure.sample_target_outputs(params, CONFIG, encoder_tokens, 10, SAMPLED, rng,
+                                          min_tokens=1, batch_size=2)
+  assert samples.batches == ((0, 2),)  # One batch already holds more than 1 position.
+  keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(2))
+  expected = baseline.generate(params, encoder_tokens[:2], keys, config=CONFIG,
+                               max_decode_length=10, sampling=SAMPLED)
+  np.testing.assert_array_equal(samples.tokens, np.asarray(expected.tokens))
+  for row, length in enumerate(np.asarray(expected.lengths)):
+    np.testing.assert_array_equal(samples.mask[row],
+                                  (np.arange(10) >= 1) & (np.arange(10) < length))
+  everything = measure.sample_target_outputs(params, CONFIG, encoder_tokens, 10, SAMPLED, rng,
+                                             min_tokens=10**6, batch_size=2)
+  assert everything.batches == ((0, 2), (2, 4), (4, 5)) and len(everything.tokens) == 5
+
+
+def test_bigram_proposals_per_prefix_are_its_table_rows(params, encoder_tokens):
+  table = np.random.RandomState(1).randn(CONFIG.vocab_size, CONFIG.vocab_size)
+  tokens = np.random.RandomState(2).randint(3, CONFIG.vocab_size, (2, 6)).astype(np.int32)
+  probs = measure.drafter_probs(BigramDrafter(CONFIG.vocab_size), jnp.asarray(table),
+                                encoder_tokens[:2], tokens, SAMPLED)
+  np.testing.assert_allclose(np.asarray(probs)[:, 1:], _softmax(table[tokens[:, :-1]]),
+                             rtol=1e-5, atol=1e-7)
+
+
+def test_prompt_lookup_proposals_per_prefix_match_direct_calls(encoder_tokens):
+  drafter = PromptLookupDrafter(CONFIG.vocab_size)
+  tokens = np.array([list(encoder_tokens[0, :4]) + [5, 6]], np.int32)
+  probs = measure.drafter_probs(drafter, (), encoder_tokens[:1], tokens, GREEDY)
+  for length in range(1, 6):
+    context = DraftContext(tokens=jnp.asarray(np.where(np.arange(6) < length, tokens, 0)),
+                           length=jnp.array([length]), encoder_tokens=encoder_tokens[:1])
+    drafts, _, _ = drafter.propose((), (), context, 1, GREEDY, jax.random.split(
+        jax.random.PRNGKey(0), 1))
+    assert int(np.argmax(probs[0, length])) == int(drafts[0, 0])
+
+
+def test_t5_drafter_probs_are_teacher_forced_softmax(params, encoder_tokens):
+  tokens = np.random.RandomState(4).randint(3, CONFIG.vocab_size, (5, 7)).astype(np.int32)
+  probs = measure.drafter_probs(T5Drafter(CONFIG), params, encoder_tokens, tokens, SAMPLED)
+  np.testing.assert_allclose(np.asarray(probs), _target_probs(params, encoder_tokens, tokens),
+                             rtol=1e-4, atol=1e-6)
+
+
+def _samples(params, encoder_tokens, sampling):
+  return measure.sample_target_outputs(params, CONFIG, encoder_tokens, 10, sampling,
+                                       jax.random.PRNGKey(5), min_tokens=10**6, batch_size=2)
+
+
+@pytest.mark.parametrize('sampling', [GREEDY, SAMPLED])
+def test_alpha_of_the_target_drafting_for_itself_is_one(params, encoder_tokens, sampling):
+  samples = _samples(params, encoder_tokens, sampling)
+  result = measure.measured_alpha(samples, params, CONFIG, T5Drafter(CONFIG), params,
+                                  sampling, lenience=(1.0, 0.5), batch_size=2)
+  assert result.positions == int(samples.mask.sum()) > 0
+  np.testing.assert_allclose(list(result.alpha_by_lenience.values()), [1.0, 1.0], rtol=1e-5)
+
+
+def test_sampled_alpha_is_the_mean_overlap_of_p_and_q(params, encoder_tokens):
+  table = np.random.RandomState(6).randn(CONFIG.vocab_size, CONFIG.vocab_size) * 3
+  samples = _samples(params, encoder_tokens, SAMPLED)
+  result = measure.measured_alpha(samples, params, CONFIG, BigramDrafter(CONFIG.vocab_size),
+                                  jnp.asarray(table), SAMPLED, lenience=(1.0, 0.3),
+                                  batch_size=2)
+  p = _target_probs(params, samples.encoder_tokens, samples.tokens)
+  q = _softmax(table[np.pad(samples.tokens, ((0, 0), (1, 0)))[:, :-1]])
+  for lenience in (1.0, 0.3):
+    beta = np.minimum(p / lenience, q).sum(-1)
+    np.testing.assert_allclose(result.alpha_by_lenience[lenience], beta[samples.mask].mean(),
+                               rtol=1e-4)
+  assert 0.0 < result.alpha < result.alpha_by_lenience[0.3] < 1.0
+
+
+def test_greedy_alpha_is_the_argmax_agreement_rate(params, encoder_tokens):
+  other = {'params': init_params(CONFIG, jax.random.PRNGKey(9))['params']}
+  samples = _samples(params, encoder_tokens, GREEDY)
+  result = measure.measured_alpha(samples, params, CONFIG, T5Drafter(CONFIG), other, GREEDY,
+                                  lenience=(1.0, 0.5), batch_size=2)
+  p = _target_probs(params, samples.encoder_tokens, samples.tokens)
+  q = _target_probs(other, samples.encoder_tokens, samples.tokens)
+  draft_argmax = q.argmax(-1)
+  agree = draft_argmax == p.argmax(-1)
+  np.testing.assert_allclose(result.alpha, agree[samples.mask].mean(), rtol=1e-6)
+  # Lenient argmax (A.5): the draft passes when p(draft) >= l * max p.
+  lenient = np.take_along_axis(p, draft_argmax[..., None], -1)[..., 0] >= 0.5 * p.max(-1)
+  np.testing.assert_allclose(result.alpha_by_lenience[0.5], lenient[samples.mask].mean(),
+                             rtol=1e-6)
+
+
+def test_unigram_alpha_uses_its_one_distribution(params, encoder_tokens):
+  logits = np.random.RandomState(8).randn(CONFIG.vocab_size)
+  samples = _samples(params, encoder_tokens, SAMPLED)
+  result = measure.measured_alpha(samples, params, CONFIG, UnigramDrafter(CONFIG.vocab_size),
+                                  jnp.asarray(logits), SAMPLED, batch_size=2)
+  p = _target_probs(params, samples.encoder_tokens, samples.tokens)
+  beta = np.minimum(p, _softmax(logits)).sum(-1)
+  np.testing.assert_allclose(result.alpha, beta[samples.mask].mean(), rtol=1e-4)
+
+
+def test_timed_decode_loop_runs_every_step(params, encoder_tokens):
+  """The loop whose slope is the step time really decodes num_steps times."""
+  model = T5(CONFIG)
+  encoded = model.apply(params, encoder_tokens[:1], method=T5.encode)
+  cache = model.apply(params, encoded, encoder_tokens[:1], 12, method=T5.init_cache)
+  tokens = jnp.ones((1, 3), jnp.int32)
+  for i in range(5):
+    cache = cache.replace(end_index=jnp.array([i % 10], jnp.int32))
+    logits, cache = model.apply(params, tokens, cache, method=T5.decode)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  looped = measure._decode_steps(params, encoder_tokens[:1], 5, config=CONFIG,  # pylint: disable=protected-access
+                                 tokens_per_step=3, cache_length=12)
+  np.testing.assert_array_equal(np.asarray(looped), np.asarray(tokens))
+  seconds = measure.decode_step_seconds(params, CONFIG, encoder_tokens[:1], 3, 12, (1, 3), 1)
+  proposal = measure.propose_seconds(T5Drafter(CONFIG), params, encoder_tokens[:1], 3, 16,
+                                     GREEDY, (1, 3), 1)
+  assert np.isfinite(seconds) and np.isfinite(proposal)
+
+
+def test_side_by_side_interleaves_decoders_item_by_item():
+  calls = []
+  decoders = {'a': lambda i: calls.append(('a', i)) or jnp.zeros(()),
+              'b': lambda i: calls.append(('b', i)) or jnp.zeros(())}
+  totals = measure.time_side_by_side(decoders, num_items=2, repeats=2)
+  warmup, timed = calls[:2], calls[2:]
+  assert warmup == [('a', 0), ('b', 0)]
+  assert timed == [('a', 0), ('b', 0), ('a', 1), ('b', 1)] * 2
+  assert set(totals) == {'a', 'b'} and all(len(t) == 2 and min(t) >= 0 for t in totals.values())
+
+
+# scripts/benchmark.py on tiny random models.
+
+TINY = """
+tiny_target/jaxspec.T5Config:
+  vocab_size = 8000
+  emb_dim = 16
+  num_heads = 2
+  head_dim = 8
+  num_encoder_layers = 1
+  num_decoder_layers = 1
+  mlp_dim = 32
+tiny_draft/jaxspec.T5Config:
+  vocab_size = 8000
+  emb_dim = 8
+  num_heads = 1
+  head_dim = 8
+  num_encoder_layers = 1
+  num_decoder_layers = 1
+  mlp_dim = 16
+benchmark.task = 'ende'
+benchmark.target_model = @tiny_target/jaxspec.T5Config()
+benchmark.t5_drafts = {'tiny': @tiny_draft/jaxspec.T5Config()}
+benchmark.input_length = 16
+benchmark.max_decode_length = 6
+benchmark.max_gamma = 2
+benchmark.alpha_tokens = 20
+benchmark.lenience = (1.0, 0.5)
+benchmark.walltime_examples = 2
+benchmark.repeats = 1
+benchmark.step_repeats = 1
+benchmark.sweep_examples = 2
+benchmark.batch_sizes = (1, 2)
+benchmark.batch_examples = 2
+benchmark.reference_examples = 2
+"""
+
+
+@pytest.fixture
+def _unlocked_gin():
+  yield
+  gin.clear_config()
+
+
+def test_benchmark_script_writes_every_table(tmp_path, _unlocked_gin):
+  gin.clear_config()
+  config = tmp_path / 'bench.gin'
+  config.write_text(TINY + f"benchmark.target_checkpoint = '{tmp_path}/target'\n"
+                    f"benchmark.draft_checkpoints = {{'tiny': '{tmp_path}/draft'}}\n"
+                    f"benchmark.output_dir = '{tmp_path}/out'\n")
+  gin_flags.parse([f'--gin_file={config}'])
+  target = gin.query_parameter('benchmark.target_model').scoped_configurable_fn()
+  draft = gin.query_parameter('benchmark.t5_drafts')['tiny'].scoped_configurable_fn()
+  save_t5x_checkpoint(tmp_path / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
+  save_t5x_checkpoint(tmp_path / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
+  results = benchmark_script.benchmark()
+
+  written = json.loads((tmp_path / 'out' / 'results.json').read_text())
+  assert written['task'] == 'ende' and written['machine']['platform'] == 'cpu'
+  drafters = {'t5 tiny', 'unigram', 'bigram', 'prompt lookup'}
+  assert {(r['drafter'], r['temperature']) for r in results['alpha']} == {
+      (d, t) for d in drafters for t in (0.0, 1.0)}
+  assert all(0.0 <= r['alpha'] <= 1.0 and r['positions'] >= 20 for r in results['alpha'])
+  assert [(r['drafter'], r['temperature']) for r in results['table2']] == [
+      ('t5 tiny', 0.0), ('t5 tiny', 1.0)]
+  greedy = results['table2'][0]
+  assert greedy['identical_outputs'] == greedy['examples'] == 2
+  assert 1 <= greedy['gamma'] <= 2 and greedy['tokens_per_target_call'] >= 1.0
+  assert [r['gamma'] for r in results['sweep']['rows']] == [1, 2]
+  assert [r['batch_size'] for r in results['batch']] == [1, 2]
+  assert all(r['identical_outputs'] == 2 for r in results['reference'])
+  for row in results['table4']:
+    assert np.isfinite([row['theorem_3_8_speedup'], row['verify_cost'], row['c']]).all()
+  markdown = (tmp_path / 'out' / 'results.md').read_text()
+  assert '### Table 2' in markdown and '### Figure 3' in markdown
+  assert (tmp_path / 'out' / 'figure3_gamma.png').stat().st_size > 0
+  assert (tmp_path / 'out' / 'batch_size.png').stat().st_size > 0
