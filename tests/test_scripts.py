@@ -3,6 +3,7 @@ resumes without redoing or losing records (also after SIGTERM or SIGKILL), sampl
 do not depend on the batch size, and bad configuration is refused clearly."""
 
 import json
+import logging
 import os
 import random
 import re
@@ -172,6 +173,23 @@ def test_unknown_gin_binding_names_the_file_line_and_fix(tmp_path):
   gin.clear_config()
   with pytest.raises(ValueError, match=r"No configurable matching 'infr'"):
     gin_flags.parse(['--gin.infr.num_examples=3'])
+
+
+def test_overlong_inputs_are_refused_or_truncated_by_config(tiny_checkpoints, caplog):
+  tmp_path = tiny_checkpoints
+  # The first 5 test inputs take 9, 11, 13, 15 and 14 tokens with EOS.
+  _parse(tmp_path, _infer_config(tmp_path),
+         ['infer.input_length=12', "infer.overlong_inputs='error'"])
+  with pytest.raises(ValueError, match=r'3 of 5 inputs are longer than the input length 12 '
+                     r'\(with EOS\): rows \[2, 3, 4\]'):
+    infer_script.infer()
+  _parse(tmp_path, _infer_config(tmp_path),
+         ['infer.input_length=12', "infer.decoders=('baseline',)"])
+  with caplog.at_level(logging.WARNING):
+    summary = infer_script.infer()
+  assert summary['examples'] == 5
+  assert re.search(r'3 of 5 inputs are longer than input_length 12 and were truncated '
+                   r'\(examples \[2, 3, 4\]\)', caplog.text)
 
 
 def _predictions(out_dir, name):
