@@ -17,7 +17,9 @@ NONFINITE_ACTIONS = ('raise', 'warn', 'ignore')
 
 
 def is_concrete(array) -> bool:
-  return not isinstance(array, jax.core.Tracer)
+  """Whether this process can read the values (not traced, not spread over hosts)."""
+  return (not isinstance(array, jax.core.Tracer)
+          and getattr(array, 'is_fully_addressable', True))
 
 
 def check_encoder_tokens(encoder_tokens, vocab_size: int, max_input_length: int | None = None):

@@ -32,6 +32,7 @@ import tqdm
 import gin_flags  # scripts/gin_flags.py
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
 from jaxspec import inference, metrics
+from jaxspec import partitioning as partitioning_lib
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
 from jaxspec.decoding.baseline import generate
@@ -184,7 +185,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
           speculative: SpeculativeConfig = SpeculativeConfig(),
           decoders: tuple[str, ...] = ('baseline', 'speculative'), seed: int = 0,
           overlong_inputs: str = 'truncate', seqio_task: str | None = None,
-          tfds_data_dir: str | None = None) -> dict:
+          tfds_data_dir: str | None = None,
+          partitioning: partitioning_lib.PartitioningConfig | None = None) -> dict:
   """Runs the decoders over the split and returns the summary.
 
   overlong_inputs: 'truncate' (as seqio, with a logged warning counting them) or
@@ -193,16 +195,25 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   cnn_dailymail_v002, or jaxspec_ende_local) instead of the shipped `corpus`; needs
   `pip install 'jaxspec[data]' t5` and, for T5's tasks, the TFDS data prepared
   (in $TFDS_DATA_DIR or tfds_data_dir).
+  partitioning: None decodes on the default device; a PartitioningConfig shards over
+  a ('data', 'model') mesh (gin/partitioning/*.gin): parameters loaded straight into
+  their shardings, batches split over 'data'; multi-host, every process runs this
+  same program and only process 0 writes the outputs and the summary.
   """
   unknown = set(decoders) - {'baseline', 'speculative'}
   if unknown:
     raise ValueError(f"unknown decoders {sorted(unknown)}; use 'baseline', 'speculative'")
+  # Multi-host initialization must come before anything touches a device.
+  partitioner = partitioning_lib.create_partitioner(partitioning) if partitioning else None
   task = load_task(corpus, seqio_task, split, num_examples, tfds_data_dir)
   examples, vocab = task.examples, task.vocab
   inputs = encode_inputs(task.input_ids, input_length, overlong_inputs)
-  target_params = inference.load_model_params(target_checkpoint, target_model)
+  target_params = (partitioner.load_params(target_checkpoint, target_model) if partitioner
+                   else inference.load_model_params(target_checkpoint, target_model))
   params = (drafter_params(drafter, draft_checkpoint, task.corpus, vocab, max_decode_length)
             if 'speculative' in decoders else None)
+  if partitioner and params is not None:
+    params = partitioner.place_drafter_params(drafter, params)
   rng = jax.random.PRNGKey(seed)
 
   def row_keys(indices):  # A row's samples depend on its example, not its batch.
@@ -210,7 +221,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
 
   def pad_batch(indices):
     indices = list(indices) + [indices[-1]] * (batch_size - len(indices))
-    return inputs[indices], row_keys(indices)
+    batch = inputs[indices], row_keys(indices)
+    return tuple(map(partitioner.shard_batch, batch)) if partitioner else batch
 
   decode_fns = {
       'baseline': lambda idx: generate(
@@ -221,18 +233,29 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
           drafter=drafter, spec=speculative, max_decode_length=max_decode_length,
           sampling=sampling),
   }
+  open_writer = inference.ResumableJsonl
+  if partitioner:  # Outputs gathered to every host; only process 0 writes them.
+    decode_fns = {name: lambda idx, fn=fn: partitioner.to_host(fn(idx))
+                  for name, fn in decode_fns.items()}
+    open_writer = lambda path: partitioning_lib.process_zero_writer(  # noqa: E731
+        inference.ResumableJsonl, path)
   batches = [list(range(i, min(i + batch_size, len(examples))))
              for i in range(0, len(examples), batch_size)]
-  os.makedirs(output_dir, exist_ok=True)
-  writers = {name: inference.ResumableJsonl(os.path.join(output_dir, f'{name}.jsonl'))
+  if partitioner is None or partitioner.is_output_process:
+    os.makedirs(output_dir, exist_ok=True)
+  writers = {name: open_writer(os.path.join(output_dir, f'{name}.jsonl'))
              for name in decoders}
   # Interleaved batch by batch would mix caches in memory; one decoder after the
   # other keeps each one's compiled program hot.
   for position, name in enumerate(decoders):
     _run_decoder(name, decode_fns[name], batches, examples, vocab, writers[name], position)
+  if partitioner and not partitioner.is_output_process:
+    return {}
   summary = summarize(task.name, task.metric, draft_name, sampling, speculative, writers)
   summary['device'] = jax.devices()[0].device_kind
   summary['batch_size'] = batch_size
+  if partitioner:
+    summary['mesh'] = dict(partitioner.mesh.shape)
   with open(os.path.join(output_dir, 'summary.json'), 'w') as f:
     json.dump(summary, f, indent=2)
   with open(os.path.join(output_dir, 'summary.md'), 'w') as f:

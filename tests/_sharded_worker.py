@@ -1,0 +1,232 @@
+"""Decodes on simulated device meshes; run by tests/test_partitioning.py in a subprocess.
+
+The parent sets XLA_FLAGS=--xla_force_host_platform_device_count=8 so that this
+process (and only this one) sees 8 CPU devices. It decodes a tiny target/draft pair
+once on a single device and then on the 1x8, 2x4 and 8x1 ('data', 'model') meshes,
+loads a checkpoint into sharded arrays, and prints one JSON object on the last line
+of stdout: tokens and shardings for the parent to compare.
+
+  python tests/_sharded_worker.py <scratch directory>
+"""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import partitioning
+from jaxspec.checkpoints import t5x
+from jaxspec.checkpoints.sharded import load_t5x_checkpoint_sharded
+from jaxspec.config import get_config
+from jaxspec.decoding.baseline import generate
+from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
+from jaxspec.decoding.t5_drafter import T5Drafter
+from jaxspec.model import init_params
+from jaxspec.sampling import SamplingConfig
+
+# heads 8, joined_kv 32, mlp 48 and vocab 64 all divide by 8 model partitions.
+TARGET = get_config('test_tiny_1_1').replace(num_heads=8, head_dim=4)
+# heads 4, joined_kv 16, mlp 16, vocab 64: divisible by 4 (sharded on 2x4 only).
+DRAFT = get_config('test_tiny_1_1').replace(
+    emb_dim=16, num_heads=4, head_dim=4, mlp_dim=16, num_encoder_layers=1,
+    num_decoder_layers=1)
+MAX_DECODE_LENGTH = 12
+SPEC = SpeculativeConfig(gamma=3)
+GREEDY = SamplingConfig(temperature=0.0)
+SPECULATIVE_RUNS = {'speculative_greedy': GREEDY,
+                    'speculative_sampled': SamplingConfig(temperature=1.0)}
+# Greedy speculative output equals the greedy baseline (tests/test_speculative.py), so
+# the single-device run needs only the baseline and the sampled run; the sampled run is
+# repeated on the 2x4 mesh only, to keep compilations few.
+MESHES = {  # name -> (model partitions, draft rules, speculative runs)
+    '1x8': (8, partitioning.REPLICATED_LOGICAL_AXIS_RULES, ('speculative_greedy',)),
+    '2x4': (4, partitioning.STANDARD_LOGICAL_AXIS_RULES,
+            ('speculative_greedy', 'speculative_sampled')),
+    '8x1': (1, partitioning.REPLICATED_LOGICAL_AXIS_RULES, ('speculative_greedy',)),
+}
+# Parameters whose shardings the parent checks: one per logical axis pattern.
+CHECKED_PARAMS = (
+    'token_embedder/embedding',  # (vocab, embed)
+    'encoder/layers_0/attention/query/kernel',  # (embed, joined_kv)
+    'decoder/layers_1/self_attention/out/kernel',  # (joined_kv, embed)
+    'decoder/layers_0/mlp/wi_0/kernel',  # (embed, mlp)
+    'decoder/layers_0/mlp/wo/kernel',  # (mlp, embed)
+    'decoder/logits_dense/kernel',  # (embed, vocab)
+    'encoder/relpos_bias/rel_embedding',  # (heads, relpos_buckets)
+    'decoder/decoder_norm/scale',  # (embed,)
+)
+
+
+def _inputs():
+  """encoder tokens [8, 8] with padding, per-row keys [8, 2]."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(2, TARGET.vocab_size, size=(8, 8)).astype(np.int32)
+  for row, length in enumerate([8, 7, 5, 8, 3, 6, 8, 4]):
+    tokens[row, length:] = 0
+  keys = np.asarray(jax.random.split(jax.random.PRNGKey(1), 8))
+  return tokens, keys
+
+
+def _decode(target_params, draft_params, tokens, keys, runs) -> dict:
+  """Tokens [b, L] of the greedy baseline and of the speculative `runs` (names in
+  SPECULATIVE_RUNS). Each decoder is one compiled program, the costly part here."""
+  drafter = T5Drafter(DRAFT)
+  baseline = generate(target_params, tokens, keys, config=TARGET,
+                      max_decode_length=MAX_DECODE_LENGTH, sampling=GREEDY)
+  outputs = {'baseline_greedy': baseline.tokens}
+  for name in runs:
+    sampling = SPECULATIVE_RUNS[name]
+    result = speculative_generate(
+        target_params, draft_params, tokens, keys, target_config=TARGET, drafter=drafter,
+        spec=SPEC, max_decode_length=MAX_DECODE_LENGTH, sampling=sampling)
+    outputs[name] = result.output.tokens
+  return {name: partitioning.to_host(value).tolist() for name, value in outputs.items()}
+
+
+def _describe(array) -> dict:
+  shard = array.addressable_shards[0]
+  return {'spec': str(array.sharding.spec), 'shard_shape': list(shard.data.shape),
+          'replicated': bool(array.sharding.is_fully_replicated),
+          'devices': len(array.sharding.device_set)}
+
+
+def _describe_params(variables) -> dict:
+  flat = {'/'.join(path): leaf for path, leaf in
+          jax.tree_util.tree_flatten_with_path(variables['params'])[0]
+          for path in [tuple(k.key for k in path)]}
+  return {path: _describe(flat[path]) for path in CHECKED_PARAMS if path in flat}
+
+
+def _mesh_case(partitioner, target_variables, draft_variables, tokens, keys, runs) -> dict:
+  target_params = partitioner.place_params(target_variables, TARGET)
+  draft_params = partitioner.place_params(draft_variables, DRAFT, draft=True)
+  sharded_tokens = partitioner.shard_batch(tokens)
+  sharded_keys = partitioner.shard_batch(keys)
+  return {'mesh': dict(partitioner.mesh.shape),
+          'tokens': _decode(target_params, draft_params, sharded_tokens, sharded_keys, runs),
+          'target_params': _describe_params(target_params),
+          'draft_params': _describe_params(draft_params),
+          'encoder_tokens': _describe(sharded_tokens)}
+
+
+def _checkpoint_case(scratch, partitioner, target_variables, tokens, keys) -> dict:
+  """Writes the target in both formats, loads each sharded, decodes with it."""
+  params = jax.device_get(target_variables['params'])
+  expected = partitioner.param_shardings(TARGET)
+  flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
+  written = {
+      'legacy': t5x.save_t5x_checkpoint(f'{scratch}/legacy', params, 7, inline_threshold=256),
+      'orbax': t5x.save_orbax_checkpoint(f'{scratch}/orbax', params, 7),
+  }
+  result = {}
+  for name, path in written.items():
+    loaded = load_t5x_checkpoint_sharded(path, TARGET, expected)
+    flat_loaded = dict(jax.tree_util.tree_flatten_with_path(loaded)[0])
+    flat_params = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    baseline = generate({'params': loaded}, partitioner.shard_batch(tokens),
+                        partitioner.shard_batch(keys), config=TARGET,
+                        max_decode_length=MAX_DECODE_LENGTH, sampling=GREEDY)
+    result[name] = {
+        'values_equal': all(np.array_equal(partitioning.to_host(flat_loaded[p]), flat_params[p])
+                            for p in flat_params),
+        'shardings_equal': all(
+            flat_loaded[p].sharding.is_equivalent_to(flat_expected[p], flat_loaded[p].ndim)
+            for p in flat_params),
+        'params': _describe_params({'params': loaded}),
+        'baseline_greedy': partitioning.to_host(baseline.tokens).tolist(),
+    }
+  bf16 = load_t5x_checkpoint_sharded(written['legacy'], TARGET, expected, dtype='bfloat16')
+  result['legacy_bfloat16_dtypes'] = sorted({str(x.dtype) for x in jax.tree.leaves(bf16)})
+  return result
+
+
+LAUNCHER_CONFIG = """
+include 'gin/tasks/ende.gin'
+include 'gin/decoding/speculative.gin'
+infer.target_model = @target/jaxspec.T5Config()
+target/jaxspec.T5Config:
+  vocab_size = 8000
+  emb_dim = 16
+  num_heads = 4
+  head_dim = 4
+  num_encoder_layers = 1
+  num_decoder_layers = 1
+  mlp_dim = 32
+infer.drafter = @jaxspec.T5Drafter()
+jaxspec.T5Drafter.config = @draft/jaxspec.T5Config()
+draft/jaxspec.T5Config:
+  vocab_size = 8000
+  emb_dim = 8
+  num_heads = 1
+  head_dim = 8
+  num_encoder_layers = 1
+  num_decoder_layers = 1
+  mlp_dim = 16
+infer.draft_name = 'tiny'
+infer.input_length = 32
+infer.max_decode_length = 8
+infer.num_examples = 4
+infer.batch_size = 2
+GAMMA = 2
+"""
+
+
+def _launcher_case(scratch: str) -> dict:
+  """scripts/infer.py unpartitioned and on a 2 x 4 mesh (gin/partitioning fragment)."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'scripts'))
+  import gin  # pylint: disable=g-import-not-at-top
+  import gin_flags  # pylint: disable=g-import-not-at-top
+  import infer as infer_script  # pylint: disable=g-import-not-at-top
+
+  for name, seed in (('target', 0), ('draft', 1)):
+    gin.clear_config()
+    gin_flags.parse([f'--gin_bindings={LAUNCHER_CONFIG}'])
+    parameter = 'infer.target_model' if name == 'target' else 'jaxspec.T5Drafter.config'
+    config = gin.query_parameter(parameter).scoped_configurable_fn()
+    t5x.save_t5x_checkpoint(f'{scratch}/{name}', init_params(config, jax.random.PRNGKey(seed)), 1)
+  runs = {'plain': [], 'sharded': ["include 'gin/partitioning/model_parallel_8.gin'",
+                                   'jaxspec.PartitioningConfig.num_partitions = 4']}
+  result = {}
+  for run, extra in runs.items():
+    gin.clear_config()
+    gin_flags.parse([f'--gin_bindings={LAUNCHER_CONFIG}'] + [f'--gin_bindings={line}' for line in extra + [
+        f"infer.target_checkpoint = '{scratch}/target'",
+        f"infer.draft_checkpoint = '{scratch}/draft'",
+        f"infer.output_dir = '{scratch}/out_{run}'"]])
+    summary = infer_script.infer()
+    result[run] = {'mesh': summary.get('mesh'),
+                   'identical_outputs': summary['identical_outputs']}
+    for decoder in ('baseline', 'speculative'):
+      with open(f'{scratch}/out_{run}/{decoder}.jsonl') as f:
+        records = sorted((json.loads(line) for line in f), key=lambda r: r['index'])
+      result[run][decoder] = [r['tokens'] for r in records]
+  gin.clear_config()
+  return result
+
+
+def main(scratch: str) -> None:
+  assert jax.device_count() == 8, jax.devices()
+  target_variables = init_params(TARGET, jax.random.PRNGKey(0))
+  draft_variables = init_params(DRAFT, jax.random.PRNGKey(1))
+  target_variables = {'params': target_variables['params']}
+  draft_variables = {'params': draft_variables['params']}
+  tokens, keys = _inputs()
+  report = {'single_device': _decode(target_variables, draft_variables, jnp.asarray(tokens),
+                                     jnp.asarray(keys), ('speculative_sampled',))}
+  partitioners = {}
+  for name, (num_partitions, draft_rules, runs) in MESHES.items():
+    partitioners[name] = partitioning.Partitioner(
+        partitioning.make_mesh(num_partitions), draft_rules=draft_rules)
+    report[name] = _mesh_case(partitioners[name], target_variables, draft_variables,
+                              tokens, keys, runs)
+  report['checkpoint_2x4'] = _checkpoint_case(scratch, partitioners['2x4'],
+                                               target_variables, tokens, keys)
+  report['launcher_2x4'] = _launcher_case(scratch)
+  print(json.dumps(report))
+
+
+if __name__ == '__main__':
+  main(sys.argv[1])
