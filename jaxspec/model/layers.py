@@ -67,7 +67,11 @@ class Embed(nn.Module):
     return jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_dtype)
 
   def attend(self, x):  # [b, t, e] -> [b, t, v] float32
-    return jnp.dot(x.astype(jnp.float32), self.embedding.astype(jnp.float32).T)
+    # Contracted into [b, v, t], then swapped: XLA:CPU runs x @ embedding.T several
+    # times slower once t >= 2 (a verify step), while this order stays near t = 1's cost.
+    logits = jnp.einsum('bte,ve->bvt', x.astype(jnp.float32),
+                        self.embedding.astype(jnp.float32))  # [b, v, t]
+    return jnp.swapaxes(logits, 1, 2)
 
 
 def relative_position_bucket(relative_position, bidirectional: bool,
