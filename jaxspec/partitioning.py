@@ -34,7 +34,9 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from jaxspec.checkpoints import sharded
 from jaxspec.config import T5Config
+from jaxspec.model import abstract_params
 
 MESH_AXES = ('data', 'model')
 LogicalAxisRules = tuple[tuple[str, Any], ...]
@@ -134,8 +136,6 @@ def logical_sharding(logical_axes, shape, mesh, rules) -> jax.sharding.NamedShar
 def param_shardings(config: T5Config, mesh, rules: LogicalAxisRules) -> dict:
   """The NamedSharding of every parameter of `config`: a tree like variables['params'],
   from the logical axes the model declares (no parameter is allocated)."""
-  from jaxspec.model import abstract_params  # The model layer, only when needed.
-
   variables = abstract_params(config)
   axes = flax.core.unfreeze(flax_partitioning.get_axis_names(variables['params_axes']))
   return jax.tree.map(
@@ -229,8 +229,6 @@ class Partitioner:
                   dtype=None) -> dict:
     """{'params': ...} read from a T5X checkpoint straight into the shardings, each
     process reading only its devices' slices. dtype: default config.param_dtype."""
-    from jaxspec.checkpoints import sharded  # Tensorstore / orbax only when loading.
-
     params = sharded.load_t5x_checkpoint_sharded(
         checkpoint, config, self.param_shardings(config, draft),
         dtype=config.param_dtype if dtype is None else dtype)

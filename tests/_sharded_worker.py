@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,9 +95,7 @@ def _describe(array) -> dict:
 
 
 def _describe_params(variables) -> dict:
-  flat = {'/'.join(path): leaf for path, leaf in
-          jax.tree_util.tree_flatten_with_path(variables['params'])[0]
-          for path in [tuple(k.key for k in path)]}
+  flat = flax.traverse_util.flatten_dict(variables['params'], sep='/')
   return {path: _describe(flat[path]) for path in CHECKED_PARAMS if path in flat}
 
 
