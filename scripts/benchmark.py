@@ -302,6 +302,9 @@ def results_markdown(results: dict) -> str:
            f"{results['compute_dtype']}.\n"]
   if 'table2' in results:
     parts += ['\n### Table 2: walltime speedup, batch 1\n',
+              'identical_outputs counts outputs equal to the baseline\'s token for token: all '
+              'of them at temperature 0; at temperature 1 both decoders sample the same '
+              'distribution with different draws, so few coincide.\n\n',
               markdown_table(results['table2'], [
                   'task', 'drafter', 'temperature', 'gamma', 'alpha',
                   'tokens_per_target_call', 'speedup', 'identical_outputs', 'examples'])]
