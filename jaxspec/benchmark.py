@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import platform
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -33,6 +35,16 @@ from jaxspec.decoding.drafter import DraftContext, Drafter
 from jaxspec.decoding.t5_drafter import T5Drafter
 from jaxspec.model import T5, rollback
 from jaxspec.sampling import SamplingConfig, acceptance_rate, standardize
+
+
+def cpu_model() -> str:
+  """The host CPU's model name (from /proc/cpuinfo where there is one)."""
+  if os.path.exists('/proc/cpuinfo'):
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  return platform.processor() or platform.machine()
 
 
 # ---------------------------------------------------------------------------

@@ -101,6 +101,19 @@ class ResumableJsonl:
       self.records[record['index']] = record
 
 
+def write_text_atomic(path: str, text: str):
+  """Writes text to path through a temporary file and a rename: a kill leaves the old
+  file or the new one, never a part of either."""
+  directory = os.path.dirname(path) or '.'
+  os.makedirs(directory, exist_ok=True)
+  temporary = os.path.join(directory, f'.{os.path.basename(path)}.tmp')
+  with open(temporary, 'w', encoding='utf-8') as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(temporary, path)
+
+
 def timed(fn: Callable, *args):
   """(result, seconds) of fn(*args) with the device work waited for."""
   start = time.perf_counter()

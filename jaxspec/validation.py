@@ -62,6 +62,15 @@ def check_max_decode_length(max_decode_length: int):
     raise ValueError(f'max_decode_length must be >= 1, got {max_decode_length}')
 
 
+def check_gamma(gamma: int, max_decode_length: int):
+  """gamma drafts must fit the output: at most max_decode_length - 1 follow the first token."""
+  if gamma >= max_decode_length:
+    raise ValueError(
+        f'gamma {gamma} is larger than the decode buffer allows: with max_decode_length '
+        f'{max_decode_length} at most {max_decode_length - 1} tokens follow the first one, '
+        'so use gamma <= max_decode_length - 1')
+
+
 def check_nonfinite_action(action: str):
   if action not in NONFINITE_ACTIONS:
     raise ValueError(f'on_nonfinite must be one of {NONFINITE_ACTIONS}, got {action!r}')

@@ -49,7 +49,7 @@ import transformers
 
 import gin_flags  # scripts/gin_flags.py: REPO_ROOT
 import jaxspec.configurables  # noqa: F401  (registers T5Config with gin)
-from jaxspec import inference
+from jaxspec import benchmark, inference
 from jaxspec.checkpoints.hf import save_hf_checkpoint
 from jaxspec.config import EOS_ID, PAD_ID, T5Config
 from jaxspec.data import corpora
@@ -253,12 +253,7 @@ def diagnose(index: int, row: np.ndarray, tokens: list[int], reference: list[int
 
 
 def machine_description() -> dict:
-  cpu = platform.processor() or platform.machine()
-  if os.path.exists('/proc/cpuinfo'):
-    with open('/proc/cpuinfo') as f:
-      names = [line.split(':', 1)[1].strip() for line in f if line.startswith('model name')]
-    cpu = names[0] if names else cpu
-  return {'cpu': cpu, 'cores': len(os.sched_getaffinity(0)), 'cpu_count': os.cpu_count(),
+  return {'cpu': benchmark.cpu_model(), 'cores': len(os.sched_getaffinity(0)), 'cpu_count': os.cpu_count(),
           'load_average_1m_at_start': os.getloadavg()[0],
           'torch_threads': torch.get_num_threads(),
           'omp_wait_policy': os.environ.get('OMP_WAIT_POLICY'), 'jax_device': jax.devices()[0].device_kind,

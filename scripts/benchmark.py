@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import time
 
@@ -49,16 +48,14 @@ from jaxspec.sampling import SamplingConfig
 
 DEFAULT_GIN_FILES = ('configs/benchmark/ende_local.gin',)
 SECTIONS = ('alpha', 'costs', 'table2', 'sweep', 'batch', 'reference')
+# Drafters without weights, fitted on the task's training split (n-grams) or none.
+OTHER_DRAFTERS = {'unigram': UnigramDrafter, 'bigram': BigramDrafter,
+                  'prompt lookup': PromptLookupDrafter}
 
 
 def machine_description() -> dict:
-  cpu = platform.processor() or platform.machine()
-  if os.path.exists('/proc/cpuinfo'):
-    with open('/proc/cpuinfo') as f:
-      names = [l.split(':', 1)[1].strip() for l in f if l.startswith('model name')]
-    cpu = names[0] if names else cpu
   device = jax.devices()[0]
-  return {'device': device.device_kind, 'platform': device.platform, 'cpu': cpu,
+  return {'device': device.device_kind, 'platform': device.platform, 'cpu': measure.cpu_model(),
           'cpu_count': os.cpu_count(), 'jax': jax.__version__,
           'date': time.strftime('%Y-%m-%d')}
 
@@ -67,7 +64,7 @@ class Setup:
   """The task's test inputs, the target and the drafters, loaded once."""
 
   def __init__(self, task, target_model, target_checkpoint, t5_drafts, draft_checkpoints,
-               input_length, max_decode_length):
+               other_drafters, input_length, max_decode_length):
     self.task, self.target_model = task, target_model
     self.max_decode_length = max_decode_length
     vocab = corpora.Vocabulary()
@@ -78,9 +75,7 @@ class Setup:
     self.target_params = inference.load_model_params(target_checkpoint, target_model)
     vocab_size = target_model.vocab_size
     self.drafters = {f't5 {name}': T5Drafter(config) for name, config in t5_drafts.items()}
-    self.drafters.update({'unigram': UnigramDrafter(vocab_size),
-                          'bigram': BigramDrafter(vocab_size),
-                          'prompt lookup': PromptLookupDrafter(vocab_size)})
+    self.drafters.update({name: OTHER_DRAFTERS[name](vocab_size) for name in other_drafters})
     checkpoints = {f't5 {name}': path for name, path in draft_checkpoints.items()}
     self.drafter_params = {
         name: infer_script.drafter_params(drafter, checkpoints.get(name), task, vocab,
@@ -390,6 +385,7 @@ def write_plots(results: dict, output_dir: str):
 def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED,
               target_checkpoint: str = gin.REQUIRED, target_name: str = 'local target',
               t5_drafts: dict = gin.REQUIRED, draft_checkpoints: dict = gin.REQUIRED,
+              other_drafters=tuple(OTHER_DRAFTERS),
               output_dir: str = gin.REQUIRED, input_length: int = 64,
               max_decode_length: int = 64, temperatures=(0.0, 1.0), max_gamma: int = 10,
               alpha_tokens: int = 10000, lenience=(1.0, 0.5, 0.3, 0.1),
@@ -402,8 +398,11 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
   unknown = set(sections) - set(SECTIONS)
   if unknown:
     raise ValueError(f'unknown sections {sorted(unknown)}; known: {SECTIONS}')
+  unknown = set(other_drafters) - set(OTHER_DRAFTERS)
+  if unknown:
+    raise ValueError(f'unknown other_drafters {sorted(unknown)}; known: {tuple(OTHER_DRAFTERS)}')
   setup = Setup(task, target_model, target_checkpoint, t5_drafts, draft_checkpoints,
-                input_length, max_decode_length)
+                other_drafters, input_length, max_decode_length)
   walltime_drafters = list(walltime_drafters or [f't5 {n}' for n in t5_drafts])
   sweep_drafter = sweep_drafter or walltime_drafters[-1]
   results = {'task': task, 'target': target_name, 'machine': machine_description(),
@@ -429,12 +428,10 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
                                      repeats)
   if 'reference' in sections:
     results['reference'] = reference_section(setup, temperatures, reference_examples, repeats)
-  os.makedirs(output_dir, exist_ok=True)
-  with open(os.path.join(output_dir, 'results.json'), 'w') as f:
-    json.dump(results, f, indent=2, default=str)
+  inference.write_text_atomic(os.path.join(output_dir, 'results.json'),
+                              json.dumps(results, indent=2, default=str))
   markdown = results_markdown(results)
-  with open(os.path.join(output_dir, 'results.md'), 'w') as f:
-    f.write(markdown)
+  inference.write_text_atomic(os.path.join(output_dir, 'results.md'), markdown)
   write_plots(results, output_dir)
   print(markdown)
   return results

@@ -256,10 +256,9 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   summary['batch_size'] = batch_size
   if partitioner:
     summary['mesh'] = dict(partitioner.mesh.shape)
-  with open(os.path.join(output_dir, 'summary.json'), 'w') as f:
-    json.dump(summary, f, indent=2)
-  with open(os.path.join(output_dir, 'summary.md'), 'w') as f:
-    f.write(summary_markdown(summary))
+  inference.write_text_atomic(os.path.join(output_dir, 'summary.json'),
+                              json.dumps(summary, indent=2))
+  inference.write_text_atomic(os.path.join(output_dir, 'summary.md'), summary_markdown(summary))
   print(summary_markdown(summary))
   return summary
 

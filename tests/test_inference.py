@@ -108,3 +108,18 @@ def test_load_model_params_names_what_is_wrong(checkpoint_dir, tmp_path, how, er
   _damage(damaged, how)
   with pytest.raises(error, match=message):
     inference.load_model_params(damaged, CONFIG)
+
+
+def test_write_text_atomic_replaces_whole_files_and_leaves_no_temporary(tmp_path, monkeypatch):
+  path = tmp_path / 'out' / 'summary.json'
+  inference.write_text_atomic(str(path), 'old')
+  inference.write_text_atomic(str(path), 'new')
+  assert path.read_text() == 'new' and sorted(p.name for p in path.parent.iterdir()) == [
+      'summary.json']
+
+  def killed(*args):  # The process dies between writing the temporary and renaming it.
+    raise KeyboardInterrupt
+  monkeypatch.setattr(inference.os, 'replace', killed)
+  with pytest.raises(KeyboardInterrupt):
+    inference.write_text_atomic(str(path), 'newer')
+  assert path.read_text() == 'new'

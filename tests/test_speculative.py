@@ -595,6 +595,13 @@ def test_gamma_must_be_positive(gamma):
     SpeculativeConfig(gamma=gamma)
 
 
+def test_gamma_must_fit_the_decode_buffer():
+  with pytest.raises(ValueError, match='gamma 4 is larger than the decode buffer allows'):
+    speculative_generate(_target_params(), _target_params(), _encoder_tokens(),
+                         target_config=TARGET, drafter=T5Drafter(TARGET),
+                         spec=SpeculativeConfig(gamma=4), max_decode_length=4)
+
+
 @pytest.mark.parametrize('lenience', [0.0, -0.5, 1.5])
 def test_lenience_must_be_in_unit_interval(lenience):
   with pytest.raises(ValueError, match='lenience'):

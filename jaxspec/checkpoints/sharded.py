@@ -91,14 +91,7 @@ def _load_orbax(directory: str, config: T5Config | None, flat_shardings, dtype) 
   import orbax.checkpoint as ocp  # Heavy import, only for the Orbax format.
 
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-  tree = t5x._orbax_tree_metadata(checkpointer, directory)
-  keys = ('optimizer', 'target') if 'optimizer' in tree else ('target',)
-  target = tree
-  for key in keys:
-    if not isinstance(target, Mapping) or key not in target:
-      raise ValueError(f'{directory}: Orbax checkpoint without {"/".join(keys)} '
-                       f'(top-level keys {sorted(tree)})')
-    target = target[key]
+  keys, target = t5x._orbax_target_metadata(checkpointer, directory)  # pylint: disable=protected-access
   if config is not None:
     check_params(target, config)
   flat_target = _flat(target)

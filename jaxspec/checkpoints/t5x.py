@@ -481,10 +481,8 @@ def _orbax_tree_metadata(checkpointer, directory: str) -> dict:
   return dict(getattr(metadata, 'tree', metadata))
 
 
-def _load_orbax(directory: str, config: T5Config | None, dtype) -> dict[str, np.ndarray]:
-  import orbax.checkpoint as ocp  # Heavy import, only for the Orbax format.
-
-  checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+def _orbax_target_metadata(checkpointer, directory: str) -> tuple[tuple[str, ...], Mapping]:
+  """(keys, metadata tree) of the model parameters: ('target',) or ('optimizer', 'target')."""
   tree = _orbax_tree_metadata(checkpointer, directory)
   keys = ('optimizer', 'target') if 'optimizer' in tree else ('target',)
   target = tree
@@ -493,6 +491,14 @@ def _load_orbax(directory: str, config: T5Config | None, dtype) -> dict[str, np.
       raise ValueError(f'{directory}: Orbax checkpoint without {"/".join(keys)} '
                        f'(top-level keys {sorted(tree)})')
     target = target[key]
+  return keys, target
+
+
+def _load_orbax(directory: str, config: T5Config | None, dtype) -> dict[str, np.ndarray]:
+  import orbax.checkpoint as ocp  # Heavy import, only for the Orbax format.
+
+  checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+  keys, target = _orbax_target_metadata(checkpointer, directory)
   if config is not None:
     check_params(target, config)
   restore_args = jax.tree.map(

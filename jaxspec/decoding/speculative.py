@@ -246,6 +246,7 @@ def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None
   check_compatible(target_config, drafter)
   validation.check_encoder_tokens(encoder_tokens, target_config.vocab_size)
   validation.check_max_decode_length(max_decode_length)
+  validation.check_gamma(spec.gamma, max_decode_length)
   validation.check_nonfinite_action(on_nonfinite)
   result = _speculative_generate(
       target_params, drafter_params, encoder_tokens, rng, target_config=target_config,
