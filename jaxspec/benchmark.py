@@ -56,13 +56,14 @@ def shift_right(tokens):
   return jnp.pad(tokens, ((0, 0), (1, 0)))[:, :-1]
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'sampling'))
+@functools.partial(jax.jit, static_argnames=('config', 'sampling', 'with_raw'))
 def _t5_teacher_forced(params, encoder_tokens, decoder_tokens, *, config: T5Config,
-                       sampling: SamplingConfig):
-  """Standardized probs [b, t, v] and raw softmax [b, t, v] of a T5 at every prefix."""
+                       sampling: SamplingConfig, with_raw: bool = False):
+  """Standardized probs [b, t, v] of a T5 at every prefix, and (with_raw) its softmax."""
   logits = T5(config).apply(params, encoder_tokens, shift_right(decoder_tokens))
   logits = logits.astype(jnp.float32)
-  return standardize(logits, sampling), jax.nn.softmax(logits, axis=-1)
+  raw = jax.nn.softmax(logits, axis=-1) if with_raw else None
+  return standardize(logits, sampling), raw
 
 
 @functools.partial(jax.jit, static_argnames=('drafter', 'sampling'))
@@ -148,23 +149,39 @@ def measured_alpha(samples: TargetSamples, target_params, target_config: T5Confi
                    drafter: Drafter, drafter_params, sampling: SamplingConfig,
                    lenience: Sequence[float] = (1.0,), batch_size: int = 16) -> AlphaMeasurement:
   """alpha = E(beta) over the target's outputs (Corollary 3.6), per lenience (A.5)."""
-  sums = {l: 0.0 for l in lenience}
+  return measured_alphas(samples, target_params, target_config,
+                         {'drafter': (drafter, drafter_params)}, sampling, lenience,
+                         batch_size)['drafter']
+
+
+def measured_alphas(samples: TargetSamples, target_params, target_config: T5Config,
+                    drafters: Mapping[str, tuple[Drafter, Any]], sampling: SamplingConfig,
+                    lenience: Sequence[float] = (1.0,),
+                    batch_size: int = 16) -> dict[str, AlphaMeasurement]:
+  """`measured_alpha` of each {name: (drafter, params)}, scoring the target once per batch."""
+  sums = {name: {l: 0.0 for l in lenience} for name in drafters}
   count = 0
+  with_raw = sampling.is_greedy and min(lenience) < 1.0
   for start, stop in samples.batches:
     encoder_tokens = _pad_to(samples.encoder_tokens[start:stop], batch_size)
     tokens = _pad_to(samples.tokens[start:stop], batch_size)
     mask = samples.mask[start:stop]
     target_probs, raw_target_probs = _t5_teacher_forced(
-        target_params, encoder_tokens, tokens, config=target_config, sampling=sampling)
-    draft_probs = drafter_probs(drafter, drafter_params, encoder_tokens, tokens, sampling)
-    for l in lenience:
-      raw = raw_target_probs if sampling.is_greedy and l < 1.0 else None
-      beta = np.asarray(acceptance_rate(target_probs, draft_probs, l, raw))[:stop - start]
-      sums[l] += float(beta[mask].sum())
+        target_params, encoder_tokens, tokens, config=target_config, sampling=sampling,
+        with_raw=with_raw)
+    for name, (drafter, params) in drafters.items():
+      draft_probs = drafter_probs(drafter, params, encoder_tokens, tokens, sampling)
+      for l in lenience:
+        raw = raw_target_probs if sampling.is_greedy and l < 1.0 else None
+        beta = np.asarray(acceptance_rate(target_probs, draft_probs, l, raw))[:stop - start]
+        sums[name][l] += float(beta[mask].sum())
     count += int(mask.sum())
-  by_lenience = {l: sums[l] / max(count, 1) for l in lenience}
-  return AlphaMeasurement(alpha=by_lenience[lenience[0]], positions=count,
-                          alpha_by_lenience=by_lenience)
+  results = {}
+  for name in drafters:
+    by_lenience = {l: sums[name][l] / max(count, 1) for l in lenience}
+    results[name] = AlphaMeasurement(alpha=by_lenience[lenience[0]], positions=count,
+                                     alpha_by_lenience=by_lenience)
+  return results
 
 
 def _pad_to(rows: np.ndarray, batch_size: int) -> np.ndarray:
@@ -261,12 +278,13 @@ def propose_seconds(drafter: Drafter, params, encoder_tokens, gamma: int, cache_
 
 
 def time_side_by_side(decoders: Mapping[str, Callable[[int], Any]], num_items: int,
-                      repeats: int) -> dict[str, list[float]]:
+                      repeats: int, outputs: dict | None = None) -> dict[str, list[float]]:
   """{name: [total seconds of repetition r]} for decoders called as fn(item).
 
   Every decoder runs once on item 0 first (compilation). Then, per repetition and per
   item, the decoders run one after the other, so a change in machine load hits all
-  of them alike.
+  of them alike. outputs, if given, receives {name: [output of item i]} from the last
+  repetition, so callers need not decode again to inspect what was timed.
   """
   for decode in decoders.values():
     jax.block_until_ready(decode(0))
@@ -275,8 +293,10 @@ def time_side_by_side(decoders: Mapping[str, Callable[[int], Any]], num_items: i
     for item in range(num_items):
       for name, decode in decoders.items():
         start = time.perf_counter()
-        jax.block_until_ready(decode(item))
+        output = jax.block_until_ready(decode(item))
         totals[name][r] += time.perf_counter() - start
+        if outputs is not None and r == repeats - 1:
+          outputs.setdefault(name, []).append(output)
   return totals
 
 

@@ -110,9 +110,11 @@ def alpha_section(setup: Setup, temperatures, alpha_tokens, lenience) -> list[di
     samples = measure.sample_target_outputs(
         setup.target_params, setup.target_model, setup.inputs, setup.max_decode_length,
         sampling, jax.random.PRNGKey(1), alpha_tokens)
-    for name, drafter in setup.drafters.items():
-      result = measure.measured_alpha(samples, setup.target_params, setup.target_model,
-                                      drafter, setup.drafter_params[name], sampling, lenience)
+    drafters = {name: (drafter, setup.drafter_params[name])
+                for name, drafter in setup.drafters.items()}
+    results = measure.measured_alphas(samples, setup.target_params, setup.target_model,
+                                      drafters, sampling, lenience)
+    for name, result in results.items():
       rows.append({'drafter': name, 'temperature': temperature, 'alpha': result.alpha,
                    'positions': result.positions,
                    'alpha_by_lenience': {str(l): a for l, a in result.alpha_by_lenience.items()}})
@@ -174,11 +176,11 @@ def table2_section(setup: Setup, alphas, costs, temperatures, drafter_names, max
     decoders = {'baseline': lambda i: setup.baseline([i], sampling)}
     for name in drafter_names:
       decoders[name] = (lambda n: lambda i: setup.speculative([i], sampling, n, gammas[n]))(name)
-    totals = measure.time_side_by_side(decoders, num_examples, repeats)
-    baseline_tokens = [np.asarray(setup.baseline([i], sampling).tokens[0])
-                       for i in range(num_examples)]
+    timed = {}
+    totals = measure.time_side_by_side(decoders, num_examples, repeats, timed)
+    baseline_tokens = [np.asarray(o.tokens[0]) for o in timed['baseline']]
     for name in drafter_names:
-      outputs = [setup.speculative([i], sampling, name, gammas[name]) for i in range(num_examples)]
+      outputs = timed[name]
       tokens = sum(_generated_tokens(o.output) for o in outputs)
       calls = sum(int(o.stats.row_target_calls[0]) for o in outputs)
       rows.append({
@@ -239,8 +241,9 @@ def batch_section(setup: Setup, drafter_name, gamma, batch_sizes, num_examples,
     decoders = {'baseline': lambda i: setup.baseline(batches[i], sampling),
                 'speculative': lambda i: setup.speculative(batches[i], sampling, drafter_name,
                                                            gamma)}
-    totals = measure.time_side_by_side(decoders, len(batches), repeats)
-    tokens = sum(_generated_tokens(setup.baseline(b, sampling)) for b in batches)
+    timed = {}
+    totals = measure.time_side_by_side(decoders, len(batches), repeats, timed)
+    tokens = sum(_generated_tokens(o) for o in timed['baseline'])
     baseline_rate = tokens / np.median(totals['baseline'])
     speculative_rate = tokens / np.median(totals['speculative'])
     rows.append({'batch_size': batch_size, 'drafter': drafter_name, 'gamma': gamma,
@@ -262,10 +265,10 @@ def reference_section(setup: Setup, temperatures, num_examples, repeats) -> list
           max_decode_length=setup.max_decode_length, sampling=sampling)
 
     decoders = {'baseline': lambda i: setup.baseline([i], sampling), 't5x_style': t5x_style}
-    totals = measure.time_side_by_side(decoders, num_examples, repeats)
-    identical = sum(np.array_equal(np.asarray(t5x_style(i)),
-                                   np.asarray(setup.baseline([i], sampling).tokens))
-                    for i in range(num_examples))
+    timed = {}
+    totals = measure.time_side_by_side(decoders, num_examples, repeats, timed)
+    identical = sum(np.array_equal(np.asarray(reference), np.asarray(ours.tokens))
+                    for reference, ours in zip(timed['t5x_style'], timed['baseline']))
     rows.append({'temperature': temperature,
                  't5x_style_seconds': float(np.median(totals['t5x_style'])),
                  'baseline_seconds': float(np.median(totals['baseline'])),

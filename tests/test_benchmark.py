@@ -193,6 +193,10 @@ def test_side_by_side_interleaves_decoders_item_by_item():
   assert warmup == [('a', 0), ('b', 0)]
   assert timed == [('a', 0), ('b', 0), ('a', 1), ('b', 1)] * 2
   assert set(totals) == {'a', 'b'} and all(len(t) == 2 and min(t) >= 0 for t in totals.values())
+  kept = {}
+  measure.time_side_by_side({'a': lambda i: jnp.full((), i)}, num_items=3, repeats=2,
+                            outputs=kept)
+  assert [int(o) for o in kept['a']] == [0, 1, 2]  # The last repetition's outputs, in order.
 
 
 # scripts/benchmark.py on tiny random models.

@@ -106,12 +106,8 @@ def _load_orbax(directory: str, config: T5Config | None, flat_shardings, dtype) 
   restore_args = flax.traverse_util.unflatten_dict(
       {path: ocp.ArrayRestoreArgs(sharding=flat_shardings[path], dtype=leaf_dtype(leaf))
        for path, leaf in flat_target.items()}, sep='/')
-  for key in reversed(keys):
-    item, restore_args = {key: item}, {key: restore_args}
-  restored = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(
-      item=item, restore_args=restore_args, partial_restore=True))
-  for key in keys:
-    restored = restored[key]
+  restored = t5x._restore_orbax_target(  # pylint: disable=protected-access
+      checkpointer, directory, keys, item, restore_args)
   return _flat(restored)
 
 
