@@ -7,14 +7,18 @@ mapped to mesh axes by logical axis rules (T5X's defaults in
 `STANDARD_LOGICAL_AXIS_RULES`); batches are split over 'data'. Nothing here runs a
 parallel program itself: the decoders are ordinary `jax.jit` functions, and XLA's
 SPMD partitioner (GSPMD) propagates the shardings of the placed inputs through the
-whole generation, caches included.
+whole generation. Traced inside `partitioner.activation_sharding()`, the model also
+pins its activations by logical names (heads, MLP units and vocabulary over 'model',
+rows over 'data', the decoder cache likewise; jaxspec/model/sharding.py), the target
+by the target's rules and the draft by the draft's.
 
   config = PartitioningConfig(num_partitions=8)   # e.g. 1 x 8 on an 8-chip slice
   partitioner = create_partitioner(config)
   target_params = partitioner.load_params(checkpoint, target_config)   # no full copy
   draft_params = partitioner.place_params(draft_params, draft_config, draft=True)
   encoder_tokens = partitioner.shard_batch(encoder_tokens_numpy)       # [b, s]
-  result = speculative_generate(target_params, draft_params, encoder_tokens, ...)
+  with partitioner.activation_sharding():
+    result = speculative_generate(target_params, draft_params, encoder_tokens, ...)
   tokens = partitioner.to_host(result.output.tokens)                   # on every host
 
 A dimension that the mesh axis does not divide (e.g. 4 heads over 8 model partitions,
@@ -37,6 +41,8 @@ import numpy as np
 from jaxspec.checkpoints import sharded
 from jaxspec.config import T5Config
 from jaxspec.model import abstract_params
+from jaxspec.model import sharding as activation_partitioning
+from jaxspec.model.sharding import mesh_axes  # noqa: F401  (part of this module's API)
 
 MESH_AXES = ('data', 'model')
 LogicalAxisRules = tuple[tuple[str, Any], ...]
@@ -111,22 +117,6 @@ def make_mesh(num_partitions: int, num_devices: int | None = None,
   shape = (len(devices) // num_partitions, num_partitions)
   axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # GSPMD propagation
   return jax.make_mesh(shape, MESH_AXES, axis_types, devices=devices)
-
-
-def mesh_axes(logical_axes, shape, mesh: jax.sharding.Mesh,
-              rules: LogicalAxisRules) -> jax.sharding.PartitionSpec:
-  """Logical names of each dimension -> the PartitionSpec on `mesh` (flax's priority rule:
-  a mesh axis goes to the first matching rule; unmatched names are replicated).
-
-  Dimensions the mesh axes do not divide are replicated.
-  """
-  spec = nn.logical_to_mesh_axes(tuple(logical_axes), rules)
-  divisible = []
-  for size, axes in zip(shape, spec):
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    devices = int(np.prod([mesh.shape[name] for name in names]))
-    divisible.append(axes if names and size % devices == 0 else None)
-  return jax.sharding.PartitionSpec(*divisible)
 
 
 def logical_sharding(logical_axes, shape, mesh, rules) -> jax.sharding.NamedSharding:
@@ -218,6 +208,13 @@ class Partitioner:
 
   def param_shardings(self, config: T5Config, draft: bool = False) -> dict:
     return param_shardings(config, self.mesh, self.draft_rules if draft else self.rules)
+
+  def activation_sharding(self):
+    """A block within which decoders are traced with activation constraints: the
+    target's activations by `rules`, the draft's by `draft_rules`, on this mesh."""
+    return activation_partitioning.activation_sharding(
+        self.mesh, {activation_partitioning.TARGET: self.rules,
+                    activation_partitioning.DRAFT: self.draft_rules})
 
   def place_params(self, variables: Mapping[str, Any], config: T5Config,
                    draft: bool = False) -> dict:

@@ -47,11 +47,15 @@ for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter):
   gin.external_configurable(_drafter, module='jaxspec')
 
 
-def drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length):
-  """The params pytree of `drafter`: a checkpoint, or n-gram tables fitted on train."""
+def drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length, partitioner=None):
+  """The params pytree of `drafter`: a checkpoint (read straight into the draft's
+  shardings when a partitioner is given), or n-gram tables fitted on train (placed
+  replicated by the caller)."""
   if isinstance(drafter, T5Drafter):
     if not draft_checkpoint:
       raise ValueError('a T5 drafter needs infer.draft_checkpoint')
+    if partitioner:
+      return partitioner.load_params(draft_checkpoint, drafter.config, draft=True)
     return inference.load_model_params(draft_checkpoint, drafter.config)
   if isinstance(drafter, (UnigramDrafter, BigramDrafter)):
     if corpus is None:
@@ -210,9 +214,9 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   inputs = encode_inputs(task.input_ids, input_length, overlong_inputs)
   target_params = (partitioner.load_params(target_checkpoint, target_model) if partitioner
                    else inference.load_model_params(target_checkpoint, target_model))
-  params = (drafter_params(drafter, draft_checkpoint, task.corpus, vocab, max_decode_length)
-            if 'speculative' in decoders else None)
-  if partitioner and params is not None:
+  params = (drafter_params(drafter, draft_checkpoint, task.corpus, vocab, max_decode_length,
+                           partitioner) if 'speculative' in decoders else None)
+  if partitioner and params is not None and not isinstance(drafter, T5Drafter):
     params = partitioner.place_drafter_params(drafter, params)
   rng = jax.random.PRNGKey(seed)
 
@@ -235,8 +239,12 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   }
   open_writer = inference.ResumableJsonl
   if partitioner:  # Outputs gathered to every host; only process 0 writes them.
-    decode_fns = {name: lambda idx, fn=fn: partitioner.to_host(fn(idx))
-                  for name, fn in decode_fns.items()}
+    def on_mesh(fn):
+      def decode(idx):
+        with partitioner.activation_sharding():  # Traced with activation constraints.
+          return partitioner.to_host(fn(idx))
+      return decode
+    decode_fns = {name: on_mesh(fn) for name, fn in decode_fns.items()}
     open_writer = lambda path: partitioning_lib.process_zero_writer(  # noqa: E731
         inference.ResumableJsonl, path)
   batches = [list(range(i, min(i + batch_size, len(examples))))

@@ -25,7 +25,7 @@ from jaxspec.config import get_config
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.decoding.t5_drafter import T5Drafter
-from jaxspec.model import init_params
+from jaxspec.model import T5, init_params
 from jaxspec.sampling import SamplingConfig
 
 # heads 8, joined_kv 32, mlp 48 and vocab 64 all divide by 8 model partitions.
@@ -99,13 +99,35 @@ def _describe_params(variables) -> dict:
   return {path: _describe(flat[path]) for path in CHECKED_PARAMS if path in flat}
 
 
+def _cache_specs(target_params, draft_params, tokens) -> dict:
+  """The sharding of layer 0's self-attention key buffer and cross-attention keys
+  [b, length, heads, kv], for the target and the draft (a fresh jit per call)."""
+  def cache(params, config, role):
+    model = T5(config, role=role)
+    encoded = model.apply(params, tokens, method=T5.encode)
+    return model.apply(params, encoded, tokens, MAX_DECODE_LENGTH, method=T5.init_cache)
+
+  specs = {}
+  for role, params, config in (('target', target_params, TARGET),
+                               ('draft', draft_params, DRAFT)):
+    layer = jax.jit(lambda p, c=config, r=role: cache(p, c, r))(params).layers[0]
+    specs[role] = {'self_keys': str(layer.self_keys.sharding.spec),
+                   'cross_keys': str(layer.cross_keys.sharding.spec)}
+  return specs
+
+
 def _mesh_case(partitioner, target_variables, draft_variables, tokens, keys, runs) -> dict:
   target_params = partitioner.place_params(target_variables, TARGET)
   draft_params = partitioner.place_params(draft_variables, DRAFT, draft=True)
   sharded_tokens = partitioner.shard_batch(tokens)
   sharded_keys = partitioner.shard_batch(keys)
+  unconstrained = _cache_specs(target_params, draft_params, sharded_tokens)
+  with partitioner.activation_sharding():
+    constrained = _cache_specs(target_params, draft_params, sharded_tokens)
+    decoded = _decode(target_params, draft_params, sharded_tokens, sharded_keys, runs)
   return {'mesh': dict(partitioner.mesh.shape),
-          'tokens': _decode(target_params, draft_params, sharded_tokens, sharded_keys, runs),
+          'tokens': decoded,
+          'cache': {'constrained': constrained, 'unconstrained': unconstrained},
           'target_params': _describe_params(target_params),
           'draft_params': _describe_params(draft_params),
           'encoder_tokens': _describe(sharded_tokens)}

@@ -197,6 +197,24 @@ def test_draft_params_follow_their_own_rules(sharded_report):
   assert not described['decoder/logits_dense/kernel']['replicated']
 
 
+# Cache [b, length, heads, kv] shardings: the target's heads over 'model', rows over
+# 'data'; the draft by its own rules (replicated on 1x8 and 8x1, standard on 2x4).
+CACHE_SPECS = {
+    '1x8': {'target': "P(None, None, 'model')", 'draft': 'P()'},
+    '2x4': {'target': "P('data', None, 'model')", 'draft': "P('data', None, 'model')"},
+    '8x1': {'target': "P('data',)", 'draft': "P('data',)"},
+}
+
+
+@pytest.mark.parametrize('mesh', sorted(CACHE_SPECS))
+def test_activation_sharding_lays_out_the_decoder_cache(sharded_report, mesh):
+  cache = sharded_report[mesh]['cache']
+  for role, spec in CACHE_SPECS[mesh].items():
+    assert cache['constrained'][role] == {'self_keys': spec, 'cross_keys': spec}, role
+  # Left to propagation alone, the self-attention buffers stay whole on every device.
+  assert cache['unconstrained']['target']['self_keys'] == 'P()'
+
+
 def test_data_parallel_mesh_splits_the_batch_and_replicates_params(sharded_report):
   report = sharded_report['8x1']
   assert report['encoder_tokens']['shard_shape'] == [1, 8]

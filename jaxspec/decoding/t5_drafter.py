@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxspec.config import T5Config
 from jaxspec.decoding.drafter import DraftContext, draw_tokens
 from jaxspec.model import T5, rollback
+from jaxspec.model.sharding import DRAFT
 from jaxspec.sampling import SamplingConfig, standardize
 
 
@@ -29,13 +30,13 @@ class T5Drafter:
     return self.config.vocab_size
 
   def init_state(self, params, encoder_tokens, max_length: int):
-    model = T5(self.config)
+    model = T5(self.config, role=DRAFT)
     encoded = model.apply(params, encoder_tokens, method=T5.encode)
     return model.apply(params, encoded, encoder_tokens, max_length, method=T5.init_cache)
 
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys):
-    model = T5(self.config)
+    model = T5(self.config, role=DRAFT)
     cache = rollback(state, context.length - 1)
     logits, cache = model.apply(params, context.last_two_inputs(), cache, method=T5.decode)
     step_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(keys)  # [b, gamma]

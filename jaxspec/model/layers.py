@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import T5Config
+from jaxspec.model.sharding import TARGET, constrain
 
 NEG_INF = -1e10  # Additive mask value, as T5X.
 LAYER_NORM_EPSILON = 1e-6
@@ -134,6 +135,7 @@ def dot_product_attention(query, key, value, bias):
 class MultiHeadAttention(nn.Module):
   """T5X's attention parameters: query/key/value [e, h*d] and out [h*d, e]."""
   config: T5Config
+  role: str = TARGET  # Whose activation sharding rules apply (jaxspec.model.sharding).
 
   def setup(self):
     config = self.config
@@ -153,7 +155,8 @@ class MultiHeadAttention(nn.Module):
                      config=config, kernel_init=base_init)
 
   def _split_heads(self, x):  # [b, t, h*d] -> [b, t, h, d]
-    return x.reshape(x.shape[:-1] + (self.config.num_heads, self.config.head_dim))
+    x = x.reshape(x.shape[:-1] + (self.config.num_heads, self.config.head_dim))
+    return constrain(x, ('batch', 'length', 'heads', 'kv'), self.role)
 
   def project_query(self, x):
     return self._split_heads(self.query(x))
@@ -165,7 +168,9 @@ class MultiHeadAttention(nn.Module):
   def attend(self, query, keys, values, bias):
     """query [b,t,h,d] against keys/values [b,s,h,d] with bias -> [b, t, e]."""
     out = dot_product_attention(query, keys, values, bias)  # [b, t, h, d]
-    return self.out(out.reshape(out.shape[:2] + (-1,)))
+    out = constrain(out.reshape(out.shape[:2] + (-1,)), ('batch', 'length', 'joined_kv'),
+                    self.role)
+    return constrain(self.out(out), ('batch', 'length', 'embed'), self.role)
 
   def __call__(self, x, bias):
     """Self-attention over x [b, t, e] without a cache (the encoder)."""
@@ -176,6 +181,7 @@ class MultiHeadAttention(nn.Module):
 class MlpBlock(nn.Module):
   """Gated GELU (wi_0, wi_1; T5.1.1) or ReLU (wi; T5 1.0), then wo."""
   config: T5Config
+  role: str = TARGET
 
   @nn.compact
   def __call__(self, x):  # [b, t, e] -> [b, t, e]
@@ -187,5 +193,7 @@ class MlpBlock(nn.Module):
     else:
       hidden = (nn.gelu(dense_in(name='wi_0')(x), approximate=True)
                 * dense_in(name='wi_1')(x))
-    return Dense(features=config.emb_dim, kernel_axes=('mlp', 'embed'), config=config,
-                 name='wo')(hidden)
+    hidden = constrain(hidden, ('batch', 'length', 'mlp'), self.role)
+    out = Dense(features=config.emb_dim, kernel_axes=('mlp', 'embed'), config=config,
+                name='wo')(hidden)
+    return constrain(out, ('batch', 'length', 'embed'), self.role)

@@ -24,22 +24,28 @@ import jax.numpy as jnp
 from jaxspec.config import T5Config
 from jaxspec.model import layers
 from jaxspec.model.cache import DecoderCache, LayerCache
+from jaxspec.model.sharding import TARGET, constrain
+
+EMBED_AXES = ('batch', 'length', 'embed')
+HEADS_AXES = ('batch', 'length', 'heads', 'kv')
 
 
 class EncoderLayer(nn.Module):
   config: T5Config
+  role: str = TARGET  # Whose activation sharding rules apply (jaxspec.model.sharding).
 
   @nn.compact
   def __call__(self, x, bias):  # x [b, s, e], bias [b, h, s, s]
     y = layers.RMSNorm(self.config, name='pre_attention_layer_norm')(x)
-    x = x + layers.MultiHeadAttention(self.config, name='attention')(y, bias)
+    x = x + layers.MultiHeadAttention(self.config, self.role, name='attention')(y, bias)
     y = layers.RMSNorm(self.config, name='pre_mlp_layer_norm')(x)
-    return x + layers.MlpBlock(self.config, name='mlp')(y)
+    return x + layers.MlpBlock(self.config, self.role, name='mlp')(y)
 
 
 class Encoder(nn.Module):
   config: T5Config
   embedder: nn.Module
+  role: str = TARGET
 
   @nn.compact
   def __call__(self, encoder_tokens):  # [b, s] -> [b, s, e]
@@ -48,23 +54,24 @@ class Encoder(nn.Module):
     bias = layers.RelativePositionBias(True, config, name='relpos_bias')(positions, positions)
     mask = encoder_tokens > 0  # [b, s]
     bias = bias + layers.attention_bias_from_mask(mask[:, None, :] & mask[:, :, None])
-    x = self.embedder(encoder_tokens)
+    x = constrain(self.embedder(encoder_tokens), EMBED_AXES, self.role)
     for i in range(config.num_encoder_layers):
-      x = EncoderLayer(config, name=f'layers_{i}')(x, bias)
-    return layers.RMSNorm(config, name='encoder_norm')(x)
+      x = EncoderLayer(config, self.role, name=f'layers_{i}')(x, bias)
+    return constrain(layers.RMSNorm(config, name='encoder_norm')(x), EMBED_AXES, self.role)
 
 
 class DecoderLayer(nn.Module):
   config: T5Config
+  role: str = TARGET
 
   def setup(self):
     config = self.config
     self.pre_self_attention_layer_norm = layers.RMSNorm(config)
-    self.self_attention = layers.MultiHeadAttention(config)
+    self.self_attention = layers.MultiHeadAttention(config, self.role)
     self.pre_cross_attention_layer_norm = layers.RMSNorm(config)
-    self.encoder_decoder_attention = layers.MultiHeadAttention(config)
+    self.encoder_decoder_attention = layers.MultiHeadAttention(config, self.role)
     self.pre_mlp_layer_norm = layers.RMSNorm(config)
-    self.mlp = layers.MlpBlock(config)
+    self.mlp = layers.MlpBlock(config, self.role)
 
   def cross_key_value(self, encoded):
     """encoded [b, s, e] -> cross-attention keys, values [b, s, h, d]."""
@@ -76,10 +83,10 @@ class DecoderLayer(nn.Module):
     new_keys, new_values = self.self_attention.project_key_value(y)  # [b, t, h, d]
     rows = jnp.arange(x.shape[0])[:, None]  # [b, 1]
     # Out-of-range positions are dropped rather than clamped onto valid slots.
-    keys = layer_cache.self_keys.at[rows, write_positions].set(
-        new_keys.astype(layer_cache.self_keys.dtype), mode='drop')
-    values = layer_cache.self_values.at[rows, write_positions].set(
-        new_values.astype(layer_cache.self_values.dtype), mode='drop')
+    keys = constrain(layer_cache.self_keys.at[rows, write_positions].set(
+        new_keys.astype(layer_cache.self_keys.dtype), mode='drop'), HEADS_AXES, self.role)
+    values = constrain(layer_cache.self_values.at[rows, write_positions].set(
+        new_values.astype(layer_cache.self_values.dtype), mode='drop'), HEADS_AXES, self.role)
     x = x + self.self_attention.attend(
         self.self_attention.project_query(y), keys, values, self_bias)
     y = self.pre_cross_attention_layer_norm(x)
@@ -94,11 +101,12 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
   config: T5Config
   embedder: nn.Module
+  role: str = TARGET
 
   def setup(self):
     config = self.config
     self.relpos_bias = layers.RelativePositionBias(False, config)
-    self.layers = [DecoderLayer(config, name=f'layers_{i}')
+    self.layers = [DecoderLayer(config, self.role, name=f'layers_{i}')
                    for i in range(config.num_decoder_layers)]
     self.decoder_norm = layers.RMSNorm(config)
     if not config.logits_via_embedding:
@@ -110,13 +118,13 @@ class Decoder(nn.Module):
     config = self.config
     batch = encoded.shape[0]
     self_shape = (batch, max_length, config.num_heads, config.head_dim)
+    empty = lambda: constrain(jnp.zeros(self_shape, config.compute_dtype),  # noqa: E731
+                              HEADS_AXES, self.role)
     layer_caches = []
     for layer in self.layers:
       cross_keys, cross_values = layer.cross_key_value(encoded)
-      layer_caches.append(LayerCache(
-          self_keys=jnp.zeros(self_shape, config.compute_dtype),
-          self_values=jnp.zeros(self_shape, config.compute_dtype),
-          cross_keys=cross_keys, cross_values=cross_values))
+      layer_caches.append(LayerCache(self_keys=empty(), self_values=empty(),
+                                     cross_keys=cross_keys, cross_values=cross_values))
     return DecoderCache(layers=tuple(layer_caches), encoder_mask=encoder_tokens > 0,
                         end_index=jnp.zeros((batch,), jnp.int32))
 
@@ -134,7 +142,7 @@ class Decoder(nn.Module):
     cross_bias = layers.attention_bias_from_mask(
         jnp.broadcast_to(cache.encoder_mask[:, None, :],
                          (cache.batch_size, num_new, cache.encoder_mask.shape[1])))
-    x = self.embedder(decoder_tokens)
+    x = constrain(self.embedder(decoder_tokens), EMBED_AXES, self.role)
     new_layer_caches = []
     for layer, layer_cache in zip(self.layers, cache.layers):
       x, layer_cache = layer(x, layer_cache, query_positions, self_bias, cross_bias)
@@ -144,6 +152,7 @@ class Decoder(nn.Module):
       logits = self.embedder.attend(x) / math.sqrt(x.shape[-1])
     else:
       logits = self.logits_dense(x)
+    logits = constrain(logits, ('batch', 'length', 'vocab'), self.role)
     new_cache = cache.replace(layers=tuple(new_layer_caches),
                               end_index=cache.end_index + num_new)
     return logits, new_cache
@@ -151,11 +160,14 @@ class Decoder(nn.Module):
 
 class T5(nn.Module):
   config: T5Config
+  # Whose activation sharding rules apply: 'target' or 'draft' (jaxspec.model.sharding);
+  # no effect outside an activation_sharding block.
+  role: str = TARGET
 
   def setup(self):
     self.token_embedder = layers.Embed(self.config)
-    self.encoder = Encoder(self.config, self.token_embedder)
-    self.decoder = Decoder(self.config, self.token_embedder)
+    self.encoder = Encoder(self.config, self.token_embedder, self.role)
+    self.decoder = Decoder(self.config, self.token_embedder, self.role)
 
   def encode(self, encoder_tokens):
     """encoder_tokens [b, s] int32 (0 = padding) -> encoded [b, s, e]."""
