@@ -195,36 +195,63 @@ GAMMA = 2
 """
 
 
-def _launcher_case(scratch: str) -> dict:
-  """scripts/infer.py unpartitioned and on a 2 x 4 mesh (gin/partitioning fragment)."""
+def _launcher_modules():
+  """gin, scripts/gin_flags.py and scripts/infer.py."""
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'scripts'))
   import gin  # pylint: disable=g-import-not-at-top
   import gin_flags  # pylint: disable=g-import-not-at-top
   import infer as infer_script  # pylint: disable=g-import-not-at-top
+  return gin, gin_flags, infer_script
 
+
+def write_launcher_checkpoints(scratch: str) -> None:
+  """Random target and draft checkpoints of LAUNCHER_CONFIG under scratch/{target,draft}."""
+  gin, gin_flags, _ = _launcher_modules()
   for name, seed in (('target', 0), ('draft', 1)):
     gin.clear_config()
     gin_flags.parse([f'--gin_bindings={LAUNCHER_CONFIG}'])
     parameter = 'infer.target_model' if name == 'target' else 'jaxspec.T5Drafter.config'
     config = gin.query_parameter(parameter).scoped_configurable_fn()
     t5x.save_t5x_checkpoint(f'{scratch}/{name}', init_params(config, jax.random.PRNGKey(seed)), 1)
+  gin.clear_config()
+
+
+def run_launcher(scratch: str, output_dir: str, extra_bindings=()) -> dict:
+  """scripts/infer.py on LAUNCHER_CONFIG and the checkpoints under scratch; returns the
+  summary ({} on processes other than 0)."""
+  gin, gin_flags, infer_script = _launcher_modules()
+  gin.clear_config()
+  lines = list(extra_bindings) + [f"infer.target_checkpoint = '{scratch}/target'",
+                                  f"infer.draft_checkpoint = '{scratch}/draft'",
+                                  f"infer.output_dir = '{output_dir}'"]
+  gin_flags.parse([f'--gin_bindings={LAUNCHER_CONFIG}'] +
+                  [f'--gin_bindings={line}' for line in lines])
+  try:
+    return infer_script.infer()
+  finally:
+    gin.clear_config()
+
+
+def written_tokens(output_dir: str) -> dict:
+  """{decoder: tokens of each record in index order} from output_dir/*.jsonl."""
+  result = {}
+  for decoder in ('baseline', 'speculative'):
+    with open(f'{output_dir}/{decoder}.jsonl') as f:
+      records = sorted((json.loads(line) for line in f), key=lambda r: r['index'])
+    result[decoder] = [r['tokens'] for r in records]
+  return result
+
+
+def _launcher_case(scratch: str) -> dict:
+  """scripts/infer.py unpartitioned and on a 2 x 4 mesh (gin/partitioning fragment)."""
+  write_launcher_checkpoints(scratch)
   runs = {'plain': [], 'sharded': ["include 'gin/partitioning/model_parallel_8.gin'",
                                    'jaxspec.PartitioningConfig.num_partitions = 4']}
   result = {}
   for run, extra in runs.items():
-    gin.clear_config()
-    gin_flags.parse([f'--gin_bindings={LAUNCHER_CONFIG}'] + [f'--gin_bindings={line}' for line in extra + [
-        f"infer.target_checkpoint = '{scratch}/target'",
-        f"infer.draft_checkpoint = '{scratch}/draft'",
-        f"infer.output_dir = '{scratch}/out_{run}'"]])
-    summary = infer_script.infer()
-    result[run] = {'mesh': summary.get('mesh'),
-                   'identical_outputs': summary['identical_outputs']}
-    for decoder in ('baseline', 'speculative'):
-      with open(f'{scratch}/out_{run}/{decoder}.jsonl') as f:
-        records = sorted((json.loads(line) for line in f), key=lambda r: r['index'])
-      result[run][decoder] = [r['tokens'] for r in records]
-  gin.clear_config()
+    summary = run_launcher(scratch, f'{scratch}/out_{run}', extra)
+    result[run] = {'mesh': summary.get('mesh'), 'identical_outputs': summary['identical_outputs'],
+                   **written_tokens(f'{scratch}/out_{run}')}
   return result
 
 
