@@ -167,25 +167,10 @@ def _checkpoint_case(scratch, partitioner, target_variables, tokens, keys) -> di
 LAUNCHER_CONFIG = """
 include 'gin/tasks/ende.gin'
 include 'gin/decoding/speculative.gin'
-infer.target_model = @target/jaxspec.T5Config()
-target/jaxspec.T5Config:
-  vocab_size = 8000
-  emb_dim = 16
-  num_heads = 4
-  head_dim = 4
-  num_encoder_layers = 1
-  num_decoder_layers = 1
-  mlp_dim = 32
+include 'gin/models/tiny_pair.gin'
+infer.target_model = @tiny_target/jaxspec.T5Config()
 infer.drafter = @jaxspec.T5Drafter()
-jaxspec.T5Drafter.config = @draft/jaxspec.T5Config()
-draft/jaxspec.T5Config:
-  vocab_size = 8000
-  emb_dim = 8
-  num_heads = 1
-  head_dim = 8
-  num_encoder_layers = 1
-  num_decoder_layers = 1
-  mlp_dim = 16
+jaxspec.T5Drafter.config = @tiny_draft/jaxspec.T5Config()
 infer.draft_name = 'tiny'
 infer.input_length = 32
 infer.max_decode_length = 8

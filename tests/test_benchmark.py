@@ -202,22 +202,7 @@ def test_side_by_side_interleaves_decoders_item_by_item():
 # scripts/benchmark.py on tiny random models.
 
 TINY = """
-tiny_target/jaxspec.T5Config:
-  vocab_size = 8000
-  emb_dim = 16
-  num_heads = 2
-  head_dim = 8
-  num_encoder_layers = 1
-  num_decoder_layers = 1
-  mlp_dim = 32
-tiny_draft/jaxspec.T5Config:
-  vocab_size = 8000
-  emb_dim = 8
-  num_heads = 1
-  head_dim = 8
-  num_encoder_layers = 1
-  num_decoder_layers = 1
-  mlp_dim = 16
+include 'gin/models/tiny_pair.gin'
 benchmark.task = 'ende'
 benchmark.target_model = @tiny_target/jaxspec.T5Config()
 benchmark.t5_drafts = {'tiny': @tiny_draft/jaxspec.T5Config()}

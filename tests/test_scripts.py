@@ -27,15 +27,8 @@ from jaxspec.checkpoints.t5x import load_t5x_checkpoint, save_t5x_checkpoint  # 
 from jaxspec.model import init_params  # noqa: E402
 
 TINY_MODEL = """
-MODEL = @tiny/jaxspec.T5Config()
-tiny/jaxspec.T5Config:
-  vocab_size = 8000
-  emb_dim = 16
-  num_heads = 2
-  head_dim = 8
-  num_encoder_layers = 1
-  num_decoder_layers = 1
-  mlp_dim = 32
+include 'gin/models/tiny_pair.gin'
+MODEL = @tiny_target/jaxspec.T5Config()
 """
 
 
@@ -87,19 +80,11 @@ def test_training_resumes_to_the_same_parameters(tmp_path):
 def _infer_config(tmp_path):
   config = TINY_MODEL.replace('MODEL = @tiny', 'TARGET = @tiny')
   config += """
-draft/jaxspec.T5Config:
-  vocab_size = 8000
-  emb_dim = 8
-  num_heads = 1
-  head_dim = 8
-  num_encoder_layers = 1
-  num_decoder_layers = 1
-  mlp_dim = 16
 include 'gin/tasks/ende.gin'
 include 'gin/decoding/speculative.gin'
-infer.target_model = @tiny/jaxspec.T5Config()
+infer.target_model = @tiny_target/jaxspec.T5Config()
 infer.drafter = @jaxspec.T5Drafter()
-jaxspec.T5Drafter.config = @draft/jaxspec.T5Config()
+jaxspec.T5Drafter.config = @tiny_draft/jaxspec.T5Config()
 infer.draft_name = 'tiny'
 infer.max_decode_length = 8
 infer.num_examples = 5
