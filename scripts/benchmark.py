@@ -6,7 +6,8 @@
 
 For one task, target and set of drafts it measures, in this order:
   alpha      Table 3 and Table 5: alpha (Corollary 3.6) of each drafter over >= alpha_tokens
-             target tokens, temperatures 0 and 1, per lenience.
+             target tokens (decoded from the alpha_splits inputs), temperatures 0 and 1,
+             per lenience.
   costs      Table 4's inputs: target step time for 1..max_gamma+1 positions, each
              drafter's proposal time for gamma = 1..max_gamma, c (Definition 3.7).
   table2     walltime speedup of speculative decoding over the baseline, batch 1, encode
@@ -46,7 +47,7 @@ from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter, T5Dra
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.sampling import SamplingConfig
 
-DEFAULT_GIN_FILES = ('configs/benchmark/ende_local.gin',)
+DEFAULT_GIN_FILES = ('configs/benchmark/ende_local.gin', 'configs/benchmark/docsum_local.gin')
 SECTIONS = ('alpha', 'costs', 'table2', 'sweep', 'batch', 'reference')
 # Drafters without weights, fitted on the task's training split (n-grams) or none.
 OTHER_DRAFTERS = {'unigram': UnigramDrafter, 'bigram': BigramDrafter,
@@ -61,17 +62,22 @@ def machine_description() -> dict:
 
 
 class Setup:
-  """The task's test inputs, the target and the drafters, loaded once."""
+  """The task's test inputs (and those alpha is measured on), the target and the
+  drafters, loaded once."""
 
   def __init__(self, task, target_model, target_checkpoint, t5_drafts, draft_checkpoints,
-               other_drafters, input_length, max_decode_length):
+               other_drafters, input_length, max_decode_length, alpha_splits=('test',)):
     self.task, self.target_model = task, target_model
     self.max_decode_length = max_decode_length
     vocab = corpora.Vocabulary()
-    examples = corpora.load_split(task, 'test')
-    self.inputs = inference.pad_rows(
-        [corpora.encode_example(e, task, vocab, input_length, max_decode_length)[0]
-         for e in examples], input_length)  # [n, s]
+
+    def split_inputs(split):  # [n, s]
+      return inference.pad_rows(
+          [corpora.encode_example(e, task, vocab, input_length, max_decode_length)[0]
+           for e in corpora.load_split(task, split)], input_length)
+
+    self.inputs = split_inputs('test')
+    self.alpha_inputs = np.concatenate([split_inputs(split) for split in alpha_splits])
     self.target_params = inference.load_model_params(target_checkpoint, target_model)
     vocab_size = target_model.vocab_size
     self.drafters = {f't5 {name}': T5Drafter(config) for name, config in t5_drafts.items()}
@@ -108,7 +114,7 @@ def alpha_section(setup: Setup, temperatures, alpha_tokens, lenience) -> list[di
   for temperature in temperatures:
     sampling = SamplingConfig(temperature=temperature)
     samples = measure.sample_target_outputs(
-        setup.target_params, setup.target_model, setup.inputs, setup.max_decode_length,
+        setup.target_params, setup.target_model, setup.alpha_inputs, setup.max_decode_length,
         sampling, jax.random.PRNGKey(1), alpha_tokens)
     drafters = {name: (drafter, setup.drafter_params[name])
                 for name, drafter in setup.drafters.items()}
@@ -310,7 +316,9 @@ def results_markdown(results: dict) -> str:
     rows = [dict(r, **{f'l={l}': a for l, a in r['alpha_by_lenience'].items()})
             for r in results['alpha']]
     lenience_columns = [f'l={l}' for l in results['alpha'][0]['alpha_by_lenience']][1:]
+    splits = ' + '.join(results.get('alpha_splits', ['test']))
     parts += ['\n### Table 3 and Table 5: alpha (lenience l < 1 changes the output)\n',
+              f'Target outputs decoded from the {splits} inputs.\n\n',
               markdown_table(rows, ['drafter', 'temperature', 'alpha', 'positions']
                              + lenience_columns)]
   if 'table4' in results:
@@ -391,13 +399,21 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
               other_drafters=tuple(OTHER_DRAFTERS),
               output_dir: str = gin.REQUIRED, input_length: int = 64,
               max_decode_length: int = 64, temperatures=(0.0, 1.0), max_gamma: int = 10,
-              alpha_tokens: int = 10000, lenience=(1.0, 0.5, 0.3, 0.1),
+              alpha_tokens: int = 10000, alpha_splits=('test',),
+              lenience=(1.0, 0.5, 0.3, 0.1),
               walltime_drafters=None, walltime_examples: int = 100, repeats: int = 3,
               step_repeats: int = 5, sweep_drafter: str | None = None,
               sweep_examples: int = 40, batch_sizes=(1, 4, 16),
               batch_examples: int = 64, reference_examples: int = 50,
               sections=SECTIONS) -> dict:
-  """Runs the sections and writes results.json, results.md and plots to output_dir."""
+  """Runs the sections and writes results.json, results.md and plots to output_dir.
+
+  alpha_splits: the held-out splits whose inputs the target decodes for alpha, in order,
+  until alpha_tokens positions (a small test split can be followed by validation; never
+  train, which the drafts and n-gram tables were fitted on).
+  """
+  if 'train' in alpha_splits:
+    raise ValueError('alpha_splits must be held out: the drafters were fitted on train')
   unknown = set(sections) - set(SECTIONS)
   if unknown:
     raise ValueError(f'unknown sections {sorted(unknown)}; known: {SECTIONS}')
@@ -405,11 +421,12 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
   if unknown:
     raise ValueError(f'unknown other_drafters {sorted(unknown)}; known: {tuple(OTHER_DRAFTERS)}')
   setup = Setup(task, target_model, target_checkpoint, t5_drafts, draft_checkpoints,
-                other_drafters, input_length, max_decode_length)
+                other_drafters, input_length, max_decode_length, tuple(alpha_splits))
   walltime_drafters = list(walltime_drafters or [f't5 {n}' for n in t5_drafts])
   sweep_drafter = sweep_drafter or walltime_drafters[-1]
   results = {'task': task, 'target': target_name, 'machine': machine_description(),
              'compute_dtype': target_model.dtype, 'input_length': input_length,
+             'alpha_splits': list(alpha_splits),
              'max_decode_length': max_decode_length}
   need_alpha = {'alpha', 'table2', 'sweep', 'batch'} & set(sections)
   need_costs = {'costs', 'table2', 'sweep', 'batch'} & set(sections)

@@ -13,6 +13,7 @@ import pytest
 from jaxspec import benchmark as measure
 from jaxspec.checkpoints.t5x import save_t5x_checkpoint
 from jaxspec.config import EOS_ID, get_config
+from jaxspec.data import corpora
 from jaxspec.decoding import baseline
 from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter, T5Drafter,
@@ -261,3 +262,13 @@ def test_benchmark_script_writes_every_table(tmp_path, _unlocked_gin):
   assert '### Table 2' in markdown and '### Figure 3' in markdown
   assert (tmp_path / 'out' / 'figure3_gamma.png').stat().st_size > 0
   assert (tmp_path / 'out' / 'batch_size.png').stat().st_size > 0
+
+  # Alpha over more held-out inputs than the test split holds: test, then validation.
+  setup = benchmark_script.Setup('ende', target, f'{tmp_path}/target', {'tiny': draft},
+                                 {'tiny': f'{tmp_path}/draft'}, (), 16, 6,
+                                 ('test', 'validation'))
+  assert len(setup.alpha_inputs) == sum(len(corpora.load_split('ende', split))
+                                        for split in ('test', 'validation'))
+  np.testing.assert_array_equal(setup.alpha_inputs[:len(setup.inputs)], setup.inputs)
+  with pytest.raises(ValueError, match='held out'):
+    benchmark_script.benchmark(alpha_splits=('test', 'train'))
