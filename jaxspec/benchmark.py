@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import EOS_ID, T5Config
-from jaxspec.decoding import baseline, common
+from jaxspec.decoding import baseline
 from jaxspec.decoding.drafter import DraftContext, Drafter
 from jaxspec.decoding.t5_drafter import T5Drafter
 from jaxspec.model import T5, rollback

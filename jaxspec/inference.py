@@ -11,7 +11,6 @@ import time
 from typing import Callable, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.checkpoints import t5x as t5x_checkpoints

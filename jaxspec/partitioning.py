@@ -32,7 +32,6 @@ import dataclasses
 from typing import Any, Mapping
 
 import flax.core
-import flax.linen as nn
 from flax.linen import partitioning as flax_partitioning
 import jax
 from jax.experimental import multihost_utils
@@ -231,12 +230,9 @@ class Partitioner:
         dtype=config.param_dtype if dtype is None else dtype)
     return {'params': params}
 
-  def place_drafter_params(self, drafter, params):
-    """A T5 drafter's params by the draft rules; any other drafter's tables replicated."""
-    config = getattr(drafter, 'config', None)
-    if isinstance(config, T5Config):
-      return self.place_params(params, config, draft=True)
-    return place_tree(params, jax.tree.map(lambda _: replicated(self.mesh), params))
+  def place_replicated(self, tree):
+    """Every array of `tree` whole on every device of the mesh (e.g. n-gram tables)."""
+    return place_tree(tree, jax.tree.map(lambda _: replicated(self.mesh), tree))
 
   def shard_batch(self, array) -> jax.Array:
     """Host batch [b, ...] (the same on every process) -> split over 'data'."""

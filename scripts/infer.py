@@ -48,9 +48,13 @@ for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter):
 
 
 def drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length, partitioner=None):
-  """The params pytree of `drafter`: a checkpoint (read straight into the draft's
-  shardings when a partitioner is given), or n-gram tables fitted on train (placed
-  replicated by the caller)."""
+  """The params pytree of `drafter`: a checkpoint, or n-gram tables fitted on train.
+
+  With a partitioner, a checkpoint is read straight into the draft's shardings and
+  fitted tables are placed replicated on its mesh."""
+  if partitioner and not isinstance(drafter, T5Drafter):
+    return partitioner.place_replicated(
+        drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length))
   if isinstance(drafter, T5Drafter):
     if not draft_checkpoint:
       raise ValueError('a T5 drafter needs infer.draft_checkpoint')
@@ -216,8 +220,6 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
                    else inference.load_model_params(target_checkpoint, target_model))
   params = (drafter_params(drafter, draft_checkpoint, task.corpus, vocab, max_decode_length,
                            partitioner) if 'speculative' in decoders else None)
-  if partitioner and params is not None and not isinstance(drafter, T5Drafter):
-    params = partitioner.place_drafter_params(drafter, params)
   rng = jax.random.PRNGKey(seed)
 
   def row_keys(indices):  # A row's samples depend on its example, not its batch.

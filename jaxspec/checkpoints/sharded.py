@@ -106,8 +106,7 @@ def _load_orbax(directory: str, config: T5Config | None, flat_shardings, dtype) 
   restore_args = flax.traverse_util.unflatten_dict(
       {path: ocp.ArrayRestoreArgs(sharding=flat_shardings[path], dtype=leaf_dtype(leaf))
        for path, leaf in flat_target.items()}, sep='/')
-  restored = t5x._restore_orbax_target(  # pylint: disable=protected-access
-      checkpointer, directory, keys, item, restore_args)
+  restored = t5x.restore_orbax_subtree(checkpointer, directory, keys, item, restore_args)
   return _flat(restored)
 
 

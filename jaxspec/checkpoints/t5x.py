@@ -504,11 +504,11 @@ def _load_orbax(directory: str, config: T5Config | None, dtype) -> dict[str, np.
   restore_args = jax.tree.map(
       lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype), target)
   item = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), target)
-  restored = _restore_orbax_target(checkpointer, directory, keys, item, restore_args)
+  restored = restore_orbax_subtree(checkpointer, directory, keys, item, restore_args)
   return flax.traverse_util.flatten_dict(dict(restored), sep='/')
 
 
-def _restore_orbax_target(checkpointer, directory: str, keys, item, restore_args):
+def restore_orbax_subtree(checkpointer, directory: str, keys, item, restore_args):
   """Restores only the parameter subtree at `keys` (item / restore_args describe it)."""
   import orbax.checkpoint as ocp  # Heavy import, only for the Orbax format.
 

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import T5Config
-from jaxspec.model.sharding import TARGET, constrain
+from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_AXES, TARGET,
+                                    constrain)
 
 NEG_INF = -1e10  # Additive mask value, as T5X.
 LAYER_NORM_EPSILON = 1e-6
@@ -156,7 +157,7 @@ class MultiHeadAttention(nn.Module):
 
   def _split_heads(self, x):  # [b, t, h*d] -> [b, t, h, d]
     x = x.reshape(x.shape[:-1] + (self.config.num_heads, self.config.head_dim))
-    return constrain(x, ('batch', 'length', 'heads', 'kv'), self.role)
+    return constrain(x, HEADS_AXES, self.role)
 
   def project_query(self, x):
     return self._split_heads(self.query(x))
@@ -168,9 +169,8 @@ class MultiHeadAttention(nn.Module):
   def attend(self, query, keys, values, bias):
     """query [b,t,h,d] against keys/values [b,s,h,d] with bias -> [b, t, e]."""
     out = dot_product_attention(query, keys, values, bias)  # [b, t, h, d]
-    out = constrain(out.reshape(out.shape[:2] + (-1,)), ('batch', 'length', 'joined_kv'),
-                    self.role)
-    return constrain(self.out(out), ('batch', 'length', 'embed'), self.role)
+    out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
+    return constrain(self.out(out), EMBED_AXES, self.role)
 
   def __call__(self, x, bias):
     """Self-attention over x [b, t, e] without a cache (the encoder)."""
@@ -193,7 +193,7 @@ class MlpBlock(nn.Module):
     else:
       hidden = (nn.gelu(dense_in(name='wi_0')(x), approximate=True)
                 * dense_in(name='wi_1')(x))
-    hidden = constrain(hidden, ('batch', 'length', 'mlp'), self.role)
+    hidden = constrain(hidden, MLP_AXES, self.role)
     out = Dense(features=config.emb_dim, kernel_axes=('mlp', 'embed'), config=config,
                 name='wo')(hidden)
-    return constrain(out, ('batch', 'length', 'embed'), self.role)
+    return constrain(out, EMBED_AXES, self.role)

@@ -34,6 +34,12 @@ import numpy as np
 LogicalAxisRules = tuple[tuple[str, Any], ...]
 TARGET = 'target'
 DRAFT = 'draft'
+# Logical names of the activations the model constrains (T5X's names).
+EMBED_AXES = ('batch', 'length', 'embed')  # [b, t, e] residual stream
+HEADS_AXES = ('batch', 'length', 'heads', 'kv')  # [b, t, h, d] q/k/v and cache buffers
+JOINED_KV_AXES = ('batch', 'length', 'joined_kv')  # [b, t, h*d]
+MLP_AXES = ('batch', 'length', 'mlp')  # [b, t, f]
+VOCAB_AXES = ('batch', 'length', 'vocab')  # [b, t, v] logits
 
 _RULES_BY_ROLE: contextvars.ContextVar[Mapping[str, LogicalAxisRules]] = (
     contextvars.ContextVar('jaxspec_activation_rules', default={}))

@@ -24,10 +24,7 @@ import jax.numpy as jnp
 from jaxspec.config import T5Config
 from jaxspec.model import layers
 from jaxspec.model.cache import DecoderCache, LayerCache
-from jaxspec.model.sharding import TARGET, constrain
-
-EMBED_AXES = ('batch', 'length', 'embed')
-HEADS_AXES = ('batch', 'length', 'heads', 'kv')
+from jaxspec.model.sharding import EMBED_AXES, HEADS_AXES, TARGET, VOCAB_AXES, constrain
 
 
 class EncoderLayer(nn.Module):
@@ -152,7 +149,7 @@ class Decoder(nn.Module):
       logits = self.embedder.attend(x) / math.sqrt(x.shape[-1])
     else:
       logits = self.logits_dense(x)
-    logits = constrain(logits, ('batch', 'length', 'vocab'), self.role)
+    logits = constrain(logits, VOCAB_AXES, self.role)
     new_cache = cache.replace(layers=tuple(new_layer_caches),
                               end_index=cache.end_index + num_new)
     return logits, new_cache
