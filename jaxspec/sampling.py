@@ -171,20 +171,39 @@ class Verdict:
   overlap: jax.Array
 
 
+def mask_unproposed(draft_probs, num_drafts):
+  """draft_probs [b, g, v] with q set to 0 at positions >= num_drafts [b] (None: all kept).
+
+  A position the drafter did not propose behaves as a draft from q = 0: it cannot be
+  accepted, and the residual max(0, p - 0) there is p itself, so a row with k < g
+  drafts is Algorithm 1 with gamma = k (its bonus token comes from p_{k+1}).
+  """
+  if num_drafts is None:
+    return draft_probs
+  proposed = jnp.arange(draft_probs.shape[1])[None, :] < num_drafts[:, None]  # [b, g]
+  return jnp.where(proposed[:, :, None], draft_probs, 0.0)
+
+
 def speculative_verdict(rng, draft_tokens, draft_probs, target_probs,
-                        lenience: float = 1.0, raw_target_probs=None) -> Verdict:
+                        lenience: float = 1.0, raw_target_probs=None,
+                        num_drafts=None) -> Verdict:
   """Algorithm 1's accept/resample step.
 
   draft_tokens [b, g]; draft_probs [b, g, v] (q recorded at draft time);
-  target_probs [b, g+1, v] (p at each drafted position plus the bonus position).
+  target_probs [b, g+1, v] (p at each drafted position plus the bonus position);
+  num_drafts [b] (optional): row b proposed only its first num_drafts[b] drafts, the
+  rest are never accepted.
   Returns n accepted drafts per row and the token that follows them: sampled from
-  norm(max(0, p_{n+1} - q_{n+1})) after a rejection, from p_{g+1} if all are accepted.
+  norm(max(0, p_{n+1} - q_{n+1})) after a rejection, from p_{k+1} if all k are accepted.
   """
   gamma = draft_tokens.shape[1]
   accept_rng, resample_rng = jax.random.split(rng)
   accept_prob = acceptance_probability(
       target_probs[:, :gamma], draft_probs, draft_tokens, lenience,
       None if raw_target_probs is None else raw_target_probs[:, :gamma])
+  if num_drafts is not None:
+    accept_prob = jnp.where(jnp.arange(gamma)[None, :] < num_drafts[:, None], accept_prob, 0.0)
+    draft_probs = mask_unproposed(draft_probs, num_drafts)
   uniform = jax.random.uniform(accept_rng, accept_prob.shape)
   rejected = uniform >= accept_prob  # [b, g]; accept_prob == 1 never rejects.
   # n = index of the first rejection, or gamma if none.
