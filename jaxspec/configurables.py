@@ -8,10 +8,11 @@ import gin
 
 from jaxspec.config import T5Config
 from jaxspec.decoding.speculative import SpeculativeConfig
+from jaxspec.distillation import DataMixConfig, DivergenceConfig
 from jaxspec.partitioning import PartitioningConfig
 from jaxspec.sampling import SamplingConfig
 from jaxspec.training import LossConfig, OptimizerConfig
 
 for _cls in (T5Config, SamplingConfig, SpeculativeConfig, OptimizerConfig, LossConfig,
-             PartitioningConfig):
+             PartitioningConfig, DivergenceConfig, DataMixConfig):
   gin.external_configurable(_cls, module='jaxspec')

@@ -66,7 +66,7 @@ def make_optimizer(config: OptimizerConfig, num_steps: int) -> optax.GradientTra
   return optax.chain(optax.clip_by_global_norm(config.clip_norm), core)
 
 
-def _round_up(length: int, quantum: int = LENGTH_QUANTUM) -> int:
+def length_bucket(length: int, quantum: int = LENGTH_QUANTUM) -> int:
   """The padded length of a batch side: a multiple of quantum up to 4 quanta, then the
   next of 6, 8, 12, 16, 24, ... quanta, so long inputs compile a few shapes, not dozens."""
   bucket = max(quantum, -(-length // quantum) * quantum)
@@ -81,11 +81,11 @@ def _round_up(length: int, quantum: int = LENGTH_QUANTUM) -> int:
 def pad_batch(pairs: Sequence[tuple[list[int], list[int]]]) -> dict[str, np.ndarray]:
   """(input ids, target ids) pairs -> {'inputs', 'targets', 'decoder_inputs'} [b, len].
 
-  Each side is padded with 0 to its length bucket (`_round_up`); decoder inputs are the
+  Each side is padded with 0 to its length bucket (`length_bucket`); decoder inputs are the
   targets shifted right behind the start token 0.
   """
-  input_length = _round_up(max(len(p[0]) for p in pairs))
-  target_length = _round_up(max(len(p[1]) for p in pairs))
+  input_length = length_bucket(max(len(p[0]) for p in pairs))
+  target_length = length_bucket(max(len(p[1]) for p in pairs))
   inputs = np.zeros((len(pairs), input_length), np.int32)
   targets = np.zeros((len(pairs), target_length), np.int32)
   for row, (input_ids, target_ids) in enumerate(pairs):

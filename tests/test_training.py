@@ -6,7 +6,7 @@ from jaxspec import training
 
 
 def test_length_buckets_are_few_and_hold_every_length():
-  buckets = [training._round_up(n) for n in range(1, 513)]  # pylint: disable=protected-access
+  buckets = [training.length_bucket(n) for n in range(1, 513)]
   assert all(b >= n for n, b in zip(range(1, 513), buckets))
   assert sorted(set(buckets)) == [16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 
