@@ -7,9 +7,13 @@ the call they report the rows whose logits were non-finite (flagged inside the j
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
+from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # What a decoder does after a call in which some rows saw non-finite logits.
@@ -97,3 +101,183 @@ def report_nonfinite_rows(nonfinite_rows, action: str):
   if action == 'raise':
     raise FloatingPointError(message)
   warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+# Settings: types and ranges, checked before anything is loaded or traced.
+
+
+def check_integer(name: str, value, minimum: int | None = None, maximum: int | None = None):
+  """Raises ValueError unless value is an integer (bool refused) in [minimum, maximum]."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise ValueError(f'{name} must be an integer, got {value!r} ({type(value).__name__})')
+  if minimum is not None and value < minimum:
+    raise ValueError(f'{name} must be >= {minimum}, got {value}')
+  if maximum is not None and value > maximum:
+    raise ValueError(f'{name} must be <= {maximum}, got {value}')
+
+
+def check_real(name: str, value, minimum: float | None = None, maximum: float | None = None,
+               *, open_minimum: bool = False):
+  """Raises ValueError unless value is a finite real number within the bounds."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(f'{name} must be a number, got {value!r} ({type(value).__name__})')
+  if not math.isfinite(value):
+    raise ValueError(f'{name} must be finite, got {value}')
+  if minimum is not None and (value <= minimum if open_minimum else value < minimum):
+    bound = f'> {minimum}' if open_minimum else f'>= {minimum}'
+    raise ValueError(f'{name} must be {bound}, got {value}')
+  if maximum is not None and value > maximum:
+    raise ValueError(f'{name} must be <= {maximum}, got {value}')
+
+
+def check_sampling_values(temperature, top_k, top_p):
+  """Temperature finite and >= 0 (inf would sample uniformly), top_k an integer >= 0
+  (0 keeps all tokens), top_p in (0, 1] (1 keeps all tokens)."""
+  check_real('temperature', temperature, 0.0)
+  check_integer('top_k', top_k, 0)
+  check_real('top_p', top_p, 0.0, 1.0, open_minimum=True)
+
+
+# API inputs: what callers commonly pass, converted or refused by name.
+
+# Top-level names of a T5 parameter tree (jaxspec.model.T5, T5X's layout).
+_MODEL_TREE_KEYS = frozenset({'token_embedder', 'encoder', 'decoder'})
+
+
+def model_variables(params, name: str = 'params'):
+  """{'params': tree} as Flax's apply takes it: a bare T5 tree (with 'encoder',
+  'decoder', 'token_embedder') is wrapped; anything else without 'params' is refused."""
+  if not isinstance(params, Mapping):
+    raise ValueError(f"{name} must be a dict {{'params': tree}}, got {type(params).__name__}")
+  if 'params' in params:
+    return params
+  if _MODEL_TREE_KEYS <= set(params) or {'encoder', 'decoder'} <= set(params):
+    return {'params': params}
+  raise ValueError(f"{name} must be {{'params': tree}} (the variables of a jaxspec T5, e.g. "
+                   f'from jaxspec.inference.load_model_params); got a dict with keys '
+                   f'{sorted(map(str, params))[:8]}')
+
+
+def token_array(encoder_tokens, name: str = 'encoder_tokens'):
+  """Token ids as an array: nested Python lists become int32 [batch, length]; ragged rows
+  are refused (pad them with 0). Arrays, traced values included, pass unchanged."""
+  if hasattr(encoder_tokens, 'shape') and hasattr(encoder_tokens, 'dtype'):
+    return encoder_tokens
+  try:
+    array = np.asarray(encoder_tokens)
+  except ValueError as error:  # NumPy refuses ragged nested lists.
+    raise ValueError(f'{name} rows have different lengths; pad them with 0 to one length '
+                     f'([batch, length])') from error
+  if array.dtype == object:
+    raise ValueError(f'{name} rows have different lengths or non-integer entries; pad '
+                     'them with 0 to one length ([batch, length] integer ids)')
+  if array.size and not np.issubdtype(array.dtype, np.integer):
+    return array  # check_encoder_tokens names the dtype.
+  return jnp.asarray(array, jnp.int32)
+
+
+def prng_key(rng, name: str = 'rng'):
+  """None, a PRNG key or per-row keys pass unchanged; a Python int seeds PRNGKey."""
+  if isinstance(rng, bool):
+    raise ValueError(f'{name} must be a PRNG key or an integer seed, got {rng!r}')
+  if isinstance(rng, numbers.Integral):
+    return jax.random.PRNGKey(int(rng))
+  return rng
+
+
+def decoder_inputs(params, encoder_tokens, rng):
+  """(variables, tokens, rng) converted as `model_variables`, `token_array` and
+  `prng_key` do: what every public decoder accepts."""
+  return model_variables(params), token_array(encoder_tokens), prng_key(rng)
+
+
+# Memory: a decode that cannot fit is refused before it is compiled.
+
+_FLOAT32_BYTES = 4
+
+
+def decode_memory_bytes(config, *, batch: int, input_length: int, max_decode_length: int,
+                        gamma: int = 0, draft_config=None) -> int:
+  """Estimated peak bytes of one decode call's caches and largest activations (without
+  the parameters): the step that scores gamma + 1 positions (1 for the baseline)
+  against a cache of max_decode_length + gamma slots dominates for large gamma.
+
+  config, draft_config: T5Configs (the draft's only for a T5 draft model).
+  """
+  window = gamma + 1  # Positions scored by one target step.
+  cache_length = max_decode_length + gamma
+
+  def model_bytes(model, positions):
+    dtype_bytes = np.dtype(model.dtype).itemsize
+    heads = model.num_heads
+    # Self and cross K/V, twice: the loop reads one cache and writes the next.
+    caches = (2 * 2 * model.num_decoder_layers * batch * (cache_length + input_length)
+              * heads * model.head_dim * dtype_bytes)
+    # The self-attention bias [b, h, t, L] lives across the layers; each layer adds
+    # scores and softmax weights of the same shape (XLA fuses the rest).
+    self_attention = 3 * batch * heads * positions * cache_length * _FLOAT32_BYTES
+    cross_attention = 3 * batch * heads * positions * input_length * _FLOAT32_BYTES
+    encoder = 4 * batch * heads * input_length * input_length * _FLOAT32_BYTES
+    # Logits, the standardized p and the recorded q [b, t, v], float32.
+    logits = 3 * batch * positions * model.vocab_size * _FLOAT32_BYTES
+    return caches + max(self_attention + cross_attention + logits, encoder)
+
+  total = model_bytes(config, window)
+  if draft_config is not None:
+    total += model_bytes(draft_config, 2)  # The drafter steps one or two positions.
+  return total
+
+
+def available_memory_bytes(devices=None) -> int | None:
+  """Bytes free for a computation on `devices` (default: the first device): the
+  accelerator's limit minus what is in use, or the host's MemAvailable on CPU (CPU
+  devices share it). None where the platform does not say."""
+  devices = list(devices) if devices is not None else jax.devices()[:1]
+  if devices and devices[0].platform == 'cpu':
+    return _host_available_bytes()
+  total = 0
+  for device in devices:
+    stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+    if not stats or 'bytes_limit' not in stats:
+      return None
+    total += stats['bytes_limit'] - stats.get('bytes_in_use', 0)
+  return total
+
+
+def _host_available_bytes() -> int | None:
+  try:
+    with open('/proc/meminfo') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def check_decode_memory(needed_bytes: int, available_bytes: int | None, what: str):
+  """Raises ValueError when the estimate exceeds what is available (None: unknown)."""
+  if available_bytes is None or needed_bytes <= available_bytes:
+    return
+  raise ValueError(
+      f'{what} needs about {needed_bytes / 2**30:.1f} GiB for its caches and attention '
+      f'scores, more than the {available_bytes / 2**30:.1f} GiB available; lower gamma, '
+      'max_decode_length or the batch size')
+
+
+def check_decoder_memory(encoder_tokens, *, config, max_decode_length: int, gamma: int = 0,
+                         draft_config=None, available_bytes: int | None = None):
+  """check_decode_memory for a decoder call on concrete encoder_tokens [b, s]."""
+  if not is_concrete(encoder_tokens):
+    return  # Traced or spread over hosts: the caller placed it and knows its sizes.
+  batch, input_length = np.shape(encoder_tokens)
+  devices = getattr(encoder_tokens, 'devices', lambda: None)()
+  if available_bytes is None:
+    available_bytes = available_memory_bytes(devices)
+  needed = decode_memory_bytes(config, batch=batch, input_length=input_length,
+                               max_decode_length=max_decode_length, gamma=gamma,
+                               draft_config=draft_config)
+  what = (f'decoding a batch of {batch} with gamma {gamma} and max_decode_length '
+          f'{max_decode_length}' if gamma else
+          f'decoding a batch of {batch} with max_decode_length {max_decode_length}')
+  check_decode_memory(needed, available_bytes, what)

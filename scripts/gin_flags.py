@@ -27,12 +27,18 @@ def rewrite_gin_args(argv: list[str]) -> list[str]:
   return rewritten
 
 
-def parse(argv: list[str], description: str = '') -> argparse.Namespace:
-  """Parses gin flags (plus any others the caller adds later) and applies them."""
+def parse(argv: list[str], description: str = '', add_flags=None) -> argparse.Namespace:
+  """Parses gin flags, plus those add_flags(parser) adds, and applies the gin ones.
+
+  Refuses a macro bound by a flag (--gin.NAME=VALUE) that no configuration uses: it
+  would change nothing, and is most likely a typo of one that is used.
+  """
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument('--gin_file', action='append', default=[])
   parser.add_argument('--gin_bindings', action='append', default=[])
   parser.add_argument('--gin_search_paths', default=REPO_ROOT)
+  if add_flags:
+    add_flags(parser)
   args = parser.parse_args(rewrite_gin_args(argv))
   for path in args.gin_search_paths.split(','):
     if path:
@@ -40,11 +46,58 @@ def parse(argv: list[str], description: str = '') -> argparse.Namespace:
   try:
     gin.parse_config_files_and_bindings(args.gin_file, args.gin_bindings)
   except ValueError as error:  # gin names the binding, file and line; add the fix.
-    hint = parameter_hint(str(error))
+    hint = parameter_hint(str(error)) or configurable_hint(str(error))
     if not hint:
       raise
     raise ValueError(f'{error}\n  {hint}') from error
+  check_bound_macros(bound_macros(args.gin_bindings))
   return args
+
+
+_MACRO_BINDING = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=')
+
+
+def bound_macros(bindings: list[str]) -> list[str]:
+  """Names of the macros that --gin_bindings lines bind (NAME = VALUE, no dot)."""
+  return [match.group(1) for binding in bindings for line in binding.splitlines()
+          if (match := _MACRO_BINDING.match(line))]
+
+
+def used_macros() -> set[str]:
+  """Macros some binding of the parsed configuration refers to (%NAME)."""
+  used = set()
+
+  def visit(value):
+    if isinstance(value, gin.config.ConfigurableReference):
+      scope, _, selector = value.scoped_selector.rpartition('/')
+      if selector.endswith('macro') and scope:
+        used.add(scope)
+    elif isinstance(value, (list, tuple, set)):
+      for item in value:
+        visit(item)
+    elif isinstance(value, dict):
+      for item in value.values():
+        visit(item)
+
+  # gin has no public listing of the parsed bindings.
+  for parameters in gin.config._CONFIG.values():  # pylint: disable=protected-access
+    for value in parameters.values():
+      visit(value)
+  return used
+
+
+def check_bound_macros(names: list[str]):
+  """Raises ValueError for a macro bound by a flag that no configuration uses."""
+  used = used_macros()
+  for name in names:
+    if name in used:
+      continue
+    close = difflib.get_close_matches(name, sorted(used), n=3, cutoff=0.6)
+    close += [m for m in sorted(used) if m.lower() == name.lower() and m not in close]
+    hint = (f'Did you mean {" or ".join(map(repr, close))}?' if close
+            else f'Macros in use: {", ".join(sorted(used)) or "none"}.')
+    raise ValueError(f'--gin.{name} binds the macro {name}, which no configuration uses '
+                     f'(%{name} appears nowhere), so it would change nothing. {hint}')
 
 
 def parameter_hint(message: str) -> str:
@@ -61,3 +114,21 @@ def parameter_hint(message: str) -> str:
   if close:
     return f'Did you mean {" or ".join(map(repr, close))}?'
   return f'{match.group(1)} takes: {", ".join(names)}'
+
+
+_UNKNOWN_CONFIGURABLE = re.compile(r"No configurable matching '([^']+)'")
+
+
+def configurable_hint(message: str) -> str:
+  """For gin's unknown-configurable error: the closest registered names."""
+  match = _UNKNOWN_CONFIGURABLE.search(message)
+  if match is None:
+    return ''
+  try:  # A private API: any failure just means no hint.
+    registry = gin.config._REGISTRY  # pylint: disable=protected-access
+    names = {name for selector, _ in registry.items()
+             for name in (selector, selector.rpartition('.')[2])}
+  except Exception:
+    return ''
+  close = difflib.get_close_matches(match.group(1), sorted(names), n=3)
+  return f'Did you mean {" or ".join(map(repr, close))}?' if close else ''

@@ -1,21 +1,30 @@
-"""Decodes a task split with the baseline and with speculative decoding, side by side.
+"""Decodes a task split, or your own text, with the baseline and with speculative
+decoding, side by side.
 
   python scripts/infer.py                                   # configs/infer/ende_local.gin
   python scripts/infer.py --gin_file=configs/infer/ende_local.gin \
       --gin.infer.num_examples=100 --gin.TEMPERATURE=1.0
+  python scripts/infer.py --input_file=my_text.txt          # one input a line
+  cat docs.jsonl | python scripts/infer.py --input_file=- --input_field=text \
+      --gin_file=configs/infer/docsum_local.gin             # JSON lines from stdin
   python scripts/infer.py --gin_file=configs/table2/ende_small_t0.gin \
       --gin.infer.target_checkpoint="'gs://BUCKET/xxl/checkpoint_N'" \
       --gin.infer.draft_checkpoint="'gs://BUCKET/small/checkpoint_N'"   # a paper row
 
 T5X-style flags (--gin_file, --gin.NAME=VALUE, --gin_bindings, --gin_search_paths).
-Writes <output_dir>/<decoder>.jsonl (one record per example: inputs, targets,
-prediction, per-example stats), resumes after an interruption without redoing or
-losing finished examples, and prints a Table-2-style summary (also written as
-summary.json and summary.md).
+Every setting is checked before anything is loaded. Writes <output_dir>/<decoder>.jsonl
+(one record per example: inputs, targets, prediction, per-example stats) under an
+exclusive lock, with the settings that produced them (settings.json); resumes after
+an interruption without redoing or losing finished examples, refuses an output_dir
+holding other settings' records (or, with on_settings_change='new_dir', writes beside
+it), and prints a Table-2-style summary of exactly the examples asked for (also
+written as summary.json and summary.md). With --input_file, it prints one JSON line
+per input (line, input, prediction, stats) and the summary goes to stderr.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -28,20 +37,24 @@ import gin
 import jax
 import numpy as np
 import tqdm
+from jax.experimental import multihost_utils
 
 import gin_flags  # scripts/gin_flags.py
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
-from jaxspec import inference, metrics
+from jaxspec import inference, metrics, validation
 from jaxspec import partitioning as partitioning_lib
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter, T5Drafter,
                                        UnigramDrafter, fit_bigram, fit_unigram)
-from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
+from jaxspec.decoding.speculative import (SpeculativeConfig, check_compatible,
+                                          speculative_generate)
+from jaxspec.model import abstract_params
 from jaxspec.sampling import SamplingConfig
 
 DEFAULT_GIN_FILE = 'configs/infer/ende_local.gin'
+DECODERS = ('baseline', 'speculative')
 
 for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter):
   gin.external_configurable(_drafter, module='jaxspec')
@@ -74,13 +87,14 @@ def drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length, part
 
 
 class TaskData(NamedTuple):
-  """A task split ready to decode."""
-  name: str  # the corpus or the seqio task
+  """A task split (or the user's own text) ready to decode."""
+  name: str  # the corpus, the seqio task, or the input file
   corpus: str | None  # the shipped corpus behind it, None for T5's seqio tasks
-  examples: list[dict]  # {'inputs', 'targets'} texts
+  examples: list[dict]  # {'inputs', 'targets'} texts (own text: 'line', no targets)
   input_ids: list[list[int]]  # per example, untrimmed and without EOS
   vocab: object  # .decode(ids) -> text
-  metric: str  # 'bleu' or 'rouge'
+  metric: str | None  # 'bleu' or 'rouge'; None for own text (no references)
+  identity: dict  # what names these examples in the run's settings
 
 
 def load_task(corpus, seqio_task, split, num_examples, tfds_data_dir) -> TaskData:
@@ -90,12 +104,33 @@ def load_task(corpus, seqio_task, split, num_examples, tfds_data_dir) -> TaskDat
     examples = corpora.load_split(corpus, split)[:num_examples]
     return TaskData(corpus, corpus, examples,
                     [corpora.input_ids(e, corpus, vocab) for e in examples], vocab,
-                    metrics.TASK_METRICS[corpus])
+                    metrics.TASK_METRICS[corpus], {'corpus': corpus, 'split': split})
   examples = seqio_tasks.load_examples(seqio_task, split, num_examples, tfds_data_dir)
   return TaskData(seqio_task, seqio_tasks.LOCAL_TASKS.get(seqio_task),
                   [{'inputs': e['inputs'], 'targets': e['targets']} for e in examples],
                   [e['input_ids'] for e in examples], seqio_tasks.task_vocabulary(seqio_task),
-                  seqio_tasks.TASK_METRICS.get(seqio_task, 'rouge'))
+                  seqio_tasks.TASK_METRICS.get(seqio_task, 'rouge'),
+                  {'seqio_task': seqio_task, 'split': split})
+
+
+def load_own_text(input_file, input_field, corpus, num_examples) -> TaskData:
+  """The user's inputs from a file ('-': stdin), one a line or JSON lines with
+  `input_field`, with the corpus's task prefix; empty lines are reported and skipped."""
+  source = 'stdin' if input_file == inference.STDIN else input_file
+  data = inference.read_input_bytes(input_file)
+  texts, empty = inference.read_text_inputs(data, source, input_field)
+  if empty:
+    logging.warning('%s: %d empty line(s) skipped, not decoded: lines %s', source,
+                    len(empty), empty[:20])
+  if not texts:
+    raise ValueError(f'{source} holds no input to decode (empty lines: {len(empty)})')
+  texts = texts[:num_examples]
+  vocab = corpora.Vocabulary()
+  examples = [{'inputs': t.text, 'targets': None, 'line': t.line} for t in texts]
+  return TaskData(source, corpus, examples,
+                  [corpora.input_ids(e, corpus, vocab) for e in examples], vocab, None,
+                  {'input_file': hashlib.sha256(data).hexdigest()[:16],
+                   'input_field': input_field, 'task_prefix': corpus})
 
 
 def encode_inputs(rows, input_length, overlong_inputs):
@@ -116,8 +151,10 @@ def _speculative_record_stats(stats, row: int) -> dict:
           'batch_accepted_per_position': np.asarray(stats.accepted_per_position).tolist()}
 
 
-def _run_decoder(name, decode, batches, examples, vocab, writer, progress_position):
-  """Decodes the batches whose examples are not in `writer` yet, appending records."""
+def _run_decoder(name, decode, batches, examples, vocab, writer, progress_position,
+                 fingerprint):
+  """Decodes the batches whose examples are not in `writer` yet, appending records
+  that carry the run's settings fingerprint."""
   pending = [b for b in batches if any(i not in writer.records for i in b)]
   if not pending:
     return
@@ -132,7 +169,10 @@ def _run_decoder(name, decode, batches, examples, vocab, writer, progress_positi
       record = {'index': index, 'inputs': examples[index]['inputs'],
                 'targets': examples[index]['targets'],
                 'prediction': vocab.decode(tokens), 'tokens': tokens,
-                'batch_start': indices[0], 'batch_seconds': seconds}
+                'batch_start': indices[0], 'batch_seconds': seconds,
+                'fingerprint': fingerprint}
+      if 'line' in examples[index]:
+        record['line'] = examples[index]['line']
       if name == 'speculative':
         record.update(_speculative_record_stats(output.stats, row))
       records.append(record)
@@ -146,9 +186,10 @@ def task_scores(metric, targets, predictions) -> dict:
   return metrics.rouge(targets, predictions)
 
 
-def summarize(task, metric, draft_name, sampling, spec, writers) -> dict:
-  """Table-2-style summary over the examples both decoders finished."""
-  common = sorted(set.intersection(*(set(w.records) for w in writers.values())))
+def summarize(task, metric, draft_name, sampling, spec, writers, indices) -> dict:
+  """Table-2-style summary over `indices`, the examples asked for (a directory may
+  hold more from an earlier, longer run with the same settings)."""
+  common = sorted(set(indices).intersection(*(set(w.records) for w in writers.values())))
   summary = {'task': task, 'draft': draft_name, 'temperature': sampling.temperature,
              'gamma': spec.gamma, 'lenience': spec.lenience, 'examples': len(common)}
   seconds = {}
@@ -157,6 +198,8 @@ def summarize(task, metric, draft_name, sampling, spec, writers) -> dict:
     batches = {r['batch_start']: r for r in records}
     seconds[name] = sum(r['batch_seconds'] for r in batches.values())
     summary[f'{name}_seconds'] = seconds[name]
+    if metric is None:  # Own text has no references to score against.
+      continue
     for score, value in task_scores(
         metric, [r['targets'] for r in records], [r['prediction'] for r in records]).items():
       summary[f'{name}_{score}'] = value
@@ -183,6 +226,138 @@ def summary_markdown(summary: dict) -> str:
           + ' | '.join(fmt(summary[k]) for k in keys) + ' |\n')
 
 
+def check_settings(*, target_model, drafter, decoders, batch_size, num_examples, input_length,
+                   max_decode_length, sampling, speculative, seed, overlong_inputs,
+                   on_settings_change, corpus, split, seqio_task, input_file, input_field):
+  """Every setting checked before anything is loaded, so a bad run fails in seconds
+  with an error naming the setting."""
+  unknown = set(decoders) - set(DECODERS)
+  if unknown or not decoders:
+    raise ValueError(f'infer.decoders must name some of {DECODERS}, got {decoders!r}')
+  validation.check_integer('infer.batch_size', batch_size, 1)
+  if num_examples is not None:
+    validation.check_integer('infer.num_examples', num_examples, 1)
+  validation.check_integer('infer.input_length', input_length, 2)
+  validation.check_integer('infer.max_decode_length', max_decode_length, 1)
+  validation.check_integer('infer.seed', seed, 0, 2**32 - 1)
+  validation.check_sampling_values(sampling.temperature, sampling.top_k, sampling.top_p)
+  if overlong_inputs not in inference.OVERLONG_ACTIONS:
+    raise ValueError(f'infer.overlong_inputs must be one of {inference.OVERLONG_ACTIONS}, '
+                     f'got {overlong_inputs!r}')
+  if on_settings_change not in inference.SETTINGS_CHANGE_ACTIONS:
+    raise ValueError(f'infer.on_settings_change must be one of '
+                     f'{inference.SETTINGS_CHANGE_ACTIONS}, got {on_settings_change!r}')
+  if seqio_task is None and corpus not in corpora.CORPORA:
+    raise ValueError(f'infer.corpus must be one of {corpora.CORPORA}, got {corpus!r}')
+  if seqio_task is None and input_file is None and split not in corpora.SPLITS:
+    raise ValueError(f'infer.split must be one of {corpora.SPLITS}, got {split!r}')
+  if input_file is not None and seqio_task is not None:
+    raise ValueError('--input_file decodes your own text; unset infer.seqio_task')
+  if input_field is not None and input_file is None:
+    raise ValueError('--input_field names the field of JSON lines given by --input_file')
+  if input_file not in (None, inference.STDIN) and not os.path.isfile(input_file):
+    raise FileNotFoundError(f'--input_file {input_file} does not exist')
+  if 'speculative' in decoders:
+    validation.check_integer('gamma (jaxspec.SpeculativeConfig.gamma)', speculative.gamma, 1)
+    validation.check_gamma(speculative.gamma, max_decode_length)
+    validation.check_real('lenience (jaxspec.SpeculativeConfig.lenience)',
+                          speculative.lenience, 0.0, 1.0, open_minimum=True)
+    check_compatible(target_model, drafter)
+
+
+def _param_bytes(config: T5Config) -> int:
+  leaves = jax.tree_util.tree_leaves(abstract_params(config)['params'])
+  return sum(leaf.size for leaf in leaves) * np.dtype(config.param_dtype).itemsize
+
+
+def check_memory(target_model, drafter, decoders, batch_size, input_length,
+                 max_decode_length, speculative, partitioner):
+  """Refuses settings whose parameters, caches and attention scores cannot fit in the
+  memory of this process's devices, before any model is loaded."""
+  speculating = 'speculative' in decoders
+  draft_config = getattr(drafter, 'config', None) if speculating else None
+  if not isinstance(draft_config, T5Config):
+    draft_config = None
+  needed = validation.decode_memory_bytes(
+      target_model, batch=batch_size, input_length=input_length,
+      max_decode_length=max_decode_length, gamma=speculative.gamma if speculating else 0,
+      draft_config=draft_config)
+  needed += _param_bytes(target_model) + (_param_bytes(draft_config) if draft_config else 0)
+  devices = None
+  if partitioner:  # The mesh spreads batch and model over its devices.
+    devices = [d for d in partitioner.mesh.devices.flat
+               if d.process_index == jax.process_index()]
+    needed //= max(partitioner.mesh.devices.size // len(devices), 1)
+  validation.check_decode_memory(
+      needed, validation.available_memory_bytes(devices),
+      f'decoding batches of {batch_size} with max_decode_length {max_decode_length}'
+      + (f' and gamma {speculative.gamma}' if speculating else ''))
+
+
+def run_settings(*, target_model, target_checkpoint, drafter, draft_checkpoint, task,
+                 input_length, max_decode_length, batch_size, sampling, speculative, seed,
+                 overlong_inputs) -> dict:
+  """Everything that changes the records: checkpoints (path and content), models,
+  drafter, sampling, gamma, the examples, lengths, batch size (timings) and seed.
+  Not the decoders run, num_examples (a prefix of the same examples; records are
+  checked against them) or the mesh."""
+  uses_draft_checkpoint = isinstance(drafter, T5Drafter) and draft_checkpoint
+  return inference.describe({
+      'target_model': target_model,
+      'target_checkpoint': inference.checkpoint_identity(target_checkpoint),
+      'drafter': drafter,
+      'draft_checkpoint': (inference.checkpoint_identity(draft_checkpoint)
+                           if uses_draft_checkpoint else None),
+      'examples': task.identity, 'input_length': input_length,
+      'max_decode_length': max_decode_length, 'overlong_inputs': overlong_inputs,
+      'batch_size': batch_size, 'sampling': sampling, 'speculative': speculative,
+      'seed': seed})
+
+
+def claim_output_dir(output_dir, settings, on_settings_change, partitioner):
+  """inference.claim_output_dir on the process that writes; the others learn from it
+  whether to go on (multi-host), so a refusal stops every process."""
+  if partitioner is None or jax.process_count() == 1:
+    return inference.claim_output_dir(output_dir, settings, on_settings_change)
+  claimed, error = (output_dir, None), None  # Followers write nothing.
+  if partitioner.is_output_process:
+    try:
+      claimed = inference.claim_output_dir(output_dir, settings, on_settings_change)
+    except (ValueError, RuntimeError, OSError) as caught:
+      error = caught
+  if int(multihost_utils.broadcast_one_to_all(np.int32(error is not None))):
+    raise error or RuntimeError(f'process 0 refused output_dir {output_dir}; see its log')
+  return claimed
+
+
+def check_records(writers, examples, fingerprint):
+  """Every stored record has this run's fingerprint and its example's input text."""
+  for name, writer in writers.items():
+    for index, record in writer.records.items():
+      if record is None:  # A follower process's placeholder.
+        continue
+      if record.get('fingerprint') != fingerprint:
+        raise inference.SettingsChanged(
+            f'{writer.path}: record {index} was written with settings fingerprint '
+            f"{record.get('fingerprint')}, not {fingerprint}")
+      if index < len(examples) and record['inputs'] != examples[index]['inputs']:
+        raise inference.SettingsChanged(
+            f'{writer.path}: record {index} holds another input than example {index} '
+            'now has; the data changed, use another output_dir')
+
+
+def own_text_lines(records) -> str:
+  """One JSON line per input, in file order: line, input, prediction and stats."""
+  lines = []
+  for record in sorted(records, key=lambda r: r['line']):
+    stats = {k: v for k, v in record.items()
+             if k not in ('index', 'line', 'inputs', 'targets', 'prediction', 'fingerprint')}
+    lines.append(json.dumps({'line': record['line'], 'input': record['inputs'],
+                             'prediction': record['prediction'], 'stats': stats},
+                            ensure_ascii=False))
+  return ''.join(line + '\n' for line in lines)
+
+
 @gin.configurable
 def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin.REQUIRED,
           drafter=gin.REQUIRED, draft_name: str = gin.REQUIRED,
@@ -191,11 +366,13 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
           input_length: int = 64, max_decode_length: int = 64, batch_size: int = 1,
           sampling: SamplingConfig = SamplingConfig(),
           speculative: SpeculativeConfig = SpeculativeConfig(),
-          decoders: tuple[str, ...] = ('baseline', 'speculative'), seed: int = 0,
+          decoders: tuple[str, ...] = DECODERS, seed: int = 0,
           overlong_inputs: str = 'truncate', seqio_task: str | None = None,
           tfds_data_dir: str | None = None,
-          partitioning: partitioning_lib.PartitioningConfig | None = None) -> dict:
-  """Runs the decoders over the split and returns the summary.
+          partitioning: partitioning_lib.PartitioningConfig | None = None,
+          on_settings_change: str = 'error', input_file: str | None = None,
+          input_field: str | None = None) -> dict:
+  """Runs the decoders over the split (or input_file) and returns the summary.
 
   overlong_inputs: 'truncate' (as seqio, with a logged warning counting them) or
   'error' for inputs longer than input_length.
@@ -207,15 +384,56 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   a ('data', 'model') mesh (gin/partitioning/*.gin): parameters loaded straight into
   their shardings, batches split over 'data'; multi-host, every process runs this
   same program and only process 0 writes the outputs and the summary.
+  on_settings_change: when output_dir holds records of other settings, 'error' names
+  the settings that differ; 'new_dir' writes into <output_dir>-<fingerprint> instead.
+  input_file: decode your own text instead of a split: one input a line, or JSON lines
+  with input_field ('-' reads stdin), with `corpus`'s task prefix; records go to
+  <output_dir>/inputs-<hash of the file>/ and one JSON line per input to stdout.
   """
-  unknown = set(decoders) - {'baseline', 'speculative'}
-  if unknown:
-    raise ValueError(f"unknown decoders {sorted(unknown)}; use 'baseline', 'speculative'")
+  check_settings(
+      target_model=target_model, drafter=drafter, decoders=decoders, batch_size=batch_size,
+      num_examples=num_examples, input_length=input_length,
+      max_decode_length=max_decode_length, sampling=sampling, speculative=speculative,
+      seed=seed, overlong_inputs=overlong_inputs, on_settings_change=on_settings_change,
+      corpus=corpus, split=split, seqio_task=seqio_task, input_file=input_file,
+      input_field=input_field)
   # Multi-host initialization must come before anything touches a device.
   partitioner = partitioning_lib.create_partitioner(partitioning) if partitioning else None
-  task = load_task(corpus, seqio_task, split, num_examples, tfds_data_dir)
+  check_memory(target_model, drafter, decoders, batch_size, input_length, max_decode_length,
+               speculative, partitioner)
+  if input_file is None:
+    task = load_task(corpus, seqio_task, split, num_examples, tfds_data_dir)
+  else:
+    task = load_own_text(input_file, input_field, corpus, num_examples)
+    output_dir = os.path.join(output_dir, f"inputs-{task.identity['input_file']}")
   examples, vocab = task.examples, task.vocab
   inputs = encode_inputs(task.input_ids, input_length, overlong_inputs)
+  settings = run_settings(
+      target_model=target_model, target_checkpoint=target_checkpoint, drafter=drafter,
+      draft_checkpoint=draft_checkpoint, task=task, input_length=input_length,
+      max_decode_length=max_decode_length, batch_size=batch_size, sampling=sampling,
+      speculative=speculative, seed=seed, overlong_inputs=overlong_inputs)
+  fingerprint = inference.settings_fingerprint(settings)
+  output_dir, lock = claim_output_dir(output_dir, settings, on_settings_change, partitioner)
+  try:
+    return _decode_and_summarize(
+        task=task, inputs=inputs, output_dir=output_dir, fingerprint=fingerprint,
+        target_model=target_model, target_checkpoint=target_checkpoint, drafter=drafter,
+        draft_name=draft_name, draft_checkpoint=draft_checkpoint,
+        max_decode_length=max_decode_length, batch_size=batch_size, sampling=sampling,
+        speculative=speculative, decoders=decoders, seed=seed, partitioner=partitioner,
+        own_text=input_file is not None)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model,
+                          target_checkpoint, drafter, draft_name, draft_checkpoint,
+                          max_decode_length, batch_size, sampling, speculative, decoders,
+                          seed, partitioner, own_text) -> dict:
+  """Loads the models, decodes what output_dir lacks and writes the summary."""
+  examples, vocab = task.examples, task.vocab
   target_params = (partitioner.load_params(target_checkpoint, target_model) if partitioner
                    else inference.load_model_params(target_checkpoint, target_model))
   params = (drafter_params(drafter, draft_checkpoint, task.corpus, vocab, max_decode_length,
@@ -251,33 +469,49 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
         inference.ResumableJsonl, path)
   batches = [list(range(i, min(i + batch_size, len(examples))))
              for i in range(0, len(examples), batch_size)]
-  if partitioner is None or partitioner.is_output_process:
-    os.makedirs(output_dir, exist_ok=True)
   writers = {name: open_writer(os.path.join(output_dir, f'{name}.jsonl'))
              for name in decoders}
+  check_records(writers, examples, fingerprint)
   # Interleaved batch by batch would mix caches in memory; one decoder after the
   # other keeps each one's compiled program hot.
   for position, name in enumerate(decoders):
-    _run_decoder(name, decode_fns[name], batches, examples, vocab, writers[name], position)
+    _run_decoder(name, decode_fns[name], batches, examples, vocab, writers[name], position,
+                 fingerprint)
   if partitioner and not partitioner.is_output_process:
     return {}
-  summary = summarize(task.name, task.metric, draft_name, sampling, speculative, writers)
+  summary = summarize(task.name, task.metric, draft_name, sampling, speculative, writers,
+                      range(len(examples)))
   summary['device'] = jax.devices()[0].device_kind
   summary['batch_size'] = batch_size
   if partitioner:
     summary['mesh'] = dict(partitioner.mesh.shape)
+  summary['output_dir'] = output_dir
   inference.write_text_atomic(os.path.join(output_dir, 'summary.json'),
                               json.dumps(summary, indent=2))
   inference.write_text_atomic(os.path.join(output_dir, 'summary.md'), summary_markdown(summary))
-  print(summary_markdown(summary))
+  if own_text:  # stdout carries the predictions; the table goes beside the logs.
+    records = [writers[decoders[-1]].records[i] for i in range(len(examples))]
+    sys.stdout.write(own_text_lines(records))
+    sys.stdout.flush()
+    print(summary_markdown(summary), file=sys.stderr)
+  else:
+    print(summary_markdown(summary))
   return summary
+
+
+def _add_input_flags(parser):
+  parser.add_argument('--input_file', default=None,
+                      help="decode your own text: one input a line ('-': stdin)")
+  parser.add_argument('--input_field', default=None,
+                      help='with --input_file: read JSON lines and decode this field')
 
 
 def main(argv):
   if not any(a.startswith('--gin_file') for a in argv):
     argv = [f'--gin_file={DEFAULT_GIN_FILE}'] + list(argv)
-  gin_flags.parse(argv)
-  infer()
+  args = gin_flags.parse(argv, add_flags=_add_input_flags)
+  own_text = {'input_file': args.input_file, 'input_field': args.input_field}
+  infer(**{k: v for k, v in own_text.items() if v is not None})
 
 
 if __name__ == '__main__':
