@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import EOS_ID, T5Config
-from jaxspec.decoding import baseline
+from jaxspec.decoding import baseline, common
 from jaxspec.decoding.drafter import DraftContext, Drafter
 from jaxspec.decoding.t5_drafter import T5Drafter
 from jaxspec.model import T5, rollback
@@ -311,8 +311,8 @@ def t5x_style_generate(params, encoder_tokens, rng=None, *, config: T5Config,
 
   T5X's decoder keeps the encoder output in the decode loop and its cross-attention
   projects keys and values from it at every step; this does the same through
-  jaxspec's T5 and jaxspec's T5X-compatible `temperature_sample` (same params, same
-  samples as `baseline.generate`).
+  jaxspec's T5 and jaxspec's T5X-compatible `temperature_sample` (same params; given
+  generate's per-row keys, the same samples as `baseline.generate`).
   """
   return _t5x_style_generate(params, encoder_tokens, rng, config=config,
                              max_decode_length=max_decode_length, sampling=sampling,
@@ -340,6 +340,6 @@ def _t5x_style_generate(params, encoder_tokens, rng, *, config, max_decode_lengt
   batch = encoder_tokens.shape[0]
   decodes, _ = baseline.temperature_sample(
       jnp.zeros((batch, max_decode_length), jnp.int32), (cache, encoded), tokens_to_logits,
-      eos_id, decode_rng=rng, temperature=sampling.temperature, topk=sampling.top_k,
-      topp=sampling.top_p)  # [b, 1, L]
+      eos_id, decode_rng=common.row_keys(rng, batch), temperature=sampling.temperature,
+      topk=sampling.top_k, topp=sampling.top_p if sampling.top_p < 1.0 else 0.0)  # [b, 1, L]
   return decodes[:, 0]

@@ -151,10 +151,188 @@ def test_rows_samples_do_not_depend_on_other_rows():
   np.testing.assert_array_equal(reordered, full[[3, 1]])
 
 
-def test_unsupported_t5x_arguments_are_refused():
-  with pytest.raises(ValueError, match='cache_offset'):
-    baseline.temperature_sample(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,)),
-                                _table_tokens_to_logits(_table()), EOS, cache_offset=2)
+# T5X's arguments, each against T5X's documented behaviour (tests/test_t5x_real.py
+# compares the same arguments with a real t5x install).
+
+
+def _chain_table():
+  """Greedy successor of token t is t + 1 for 2..5, of 6, 0 and EOS it is 2."""
+  table = np.full((VOCAB, VOCAB), -5.0, np.float32)
+  for token in range(VOCAB):
+    table[token, 2 + (token - 1) % 5 if token else 2] = 5.0
+  return table
+
+
+def test_initial_index_starts_each_row_at_its_prompt_end():
+  """T5X's Example 3: uneven prompts after a prefilled cache; a prompt may end in EOS."""
+  table = _chain_table()
+  inputs = np.array([[0, 5, 2, 6, 1, 0], [0, 4, 1, 0, 0, 0], [0, 3, 0, 0, 0, 0]], np.int32)
+  decodes, _ = baseline.temperature_sample(
+      jnp.asarray(inputs), jnp.zeros((3,)), _table_tokens_to_logits(table), EOS,
+      temperature=0.0,
+      initial_index=jnp.array([4, 2, 1]))
+  # Row 0 feeds its last prompt token (EOS, which does not end it) and fills 1 slot;
+  # rows end at the decode length L, not at an EOS their prompt already holds.
+  np.testing.assert_array_equal(np.asarray(decodes[:, 0]), [
+      [5, 2, 6, 1, 2, 3], [4, 1, 2, 3, 4, 5], [3, 4, 5, 6, 2, 3]])
+
+
+def test_prefill_in_one_step_equals_forcing_the_prompt_token_by_token(tiny_t5):
+  config, params = tiny_t5
+  model = T5(config)
+  encoder_tokens = jnp.array([[5, 6, 7, EOS], [9, 10, EOS, 0], [3, EOS, 0, 0]])
+  inputs = jnp.array([[0, 7, 8, 9, 0, 0, 0, 0], [0, 4, 0, 0, 0, 0, 0, 0],
+                      [0, 0, 0, 0, 0, 0, 0, 0]])
+
+  def decode(prefill: bool):
+    encoded = model.apply(params, encoder_tokens, method=T5.encode)
+    cache = model.apply(params, encoded, encoder_tokens, 8, method=T5.init_cache)
+    initial_index = None
+    if prefill:
+      cache, initial_index = baseline.prefill_decoder_prompt(params, inputs, cache,
+                                                             config=config)
+    def tokens_to_logits(state):
+      logits, cache = model.apply(params, state.cur_token, state.cache, method=T5.decode)
+      return logits[:, 0], cache
+    decodes, _ = jax.jit(lambda c: baseline.temperature_sample(
+        inputs, c, tokens_to_logits, EOS, temperature=0.0, initial_index=initial_index,
+        max_decode_steps=4))(cache)
+    return np.asarray(decodes[:, 0])
+
+  forced, prefilled = decode(False), decode(True)
+  np.testing.assert_array_equal(prefilled, forced)
+  np.testing.assert_array_equal(forced[0, :3], [7, 8, 9])  # prompts kept
+  assert forced[1, 0] == 4
+  # At most 4 tokens after each prompt, then 0 (or 0 after an earlier EOS).
+  np.testing.assert_array_equal(forced[[0, 1, 2], [7, 5, 4]], 0)
+  assert np.count_nonzero(forced[:, 3:]) > 0
+
+
+def test_max_decode_steps_zero_hard_limit_and_too_many_steps():
+  table = _chain_table()
+  table[:, EOS] = -100.0
+  inputs = jnp.array([[0, 0, 0, 0, 0], [0, 4, 5, 0, 0]])
+  run = lambda **kwargs: np.asarray(baseline.temperature_sample(
+      inputs, jnp.zeros((2,)), _table_tokens_to_logits(table), EOS, temperature=0.0,
+      **kwargs)[0][:, 0])
+  # T5X quirk kept: at max_decode_steps=0 a row without prompt still draws one token at
+  # position 1, which a later step of the batch overwrites with 0 if other rows go on.
+  np.testing.assert_array_equal(run(max_decode_steps=0), [[0, 0, 0, 0, 0], [4, 5, 0, 0, 0]])
+  alone = baseline.temperature_sample(inputs[:1], jnp.zeros((1,)),
+                                      _table_tokens_to_logits(table), EOS, temperature=0.0,
+                                      max_decode_steps=0)[0]
+  np.testing.assert_array_equal(np.asarray(alone[:, 0]), [[2, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(run(max_decode_steps=3, max_decode_steps_hard_limit=1),
+                                [[2, 0, 0, 0, 0], [4, 5, 6, 0, 0]])
+  np.testing.assert_array_equal(run(max_decode_steps=3, max_decode_steps_hard_limit=0),
+                                [[2, 3, 4, 0, 0], [4, 5, 6, 2, 3]])
+  with pytest.raises(ValueError, match='max_decode_steps .* exceeds the decode length 5'):
+    run(max_decode_steps=6)
+
+
+def test_topk_and_topp_together_are_refused_unless_traced():
+  table = _table()
+  run = lambda topk, topp: baseline.temperature_sample(
+      jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,)), _table_tokens_to_logits(table), EOS,
+      temperature=1.0, topk=topk, topp=topp)
+  with pytest.raises(ValueError, match=r'at most one of topk \(2\) and topp \(0.5\)'):
+    run(2, 0.5)
+  jax.jit(run)(2, 0.5)  # Traced values are not checked, as in T5X.
+
+
+def _sample(table, inputs, **kwargs):
+  return baseline.temperature_sample(
+      inputs, jnp.zeros((inputs.shape[0],)), _table_tokens_to_logits(table), EOS,
+      decode_rng=jax.random.PRNGKey(7), **kwargs)
+
+
+def test_traced_settings_draw_what_static_ones_draw():
+  table = _table(6, scale=1.0)
+  inputs = jnp.zeros((3, 6), jnp.int32)
+  for settings in (dict(temperature=0.6, topk=3, topp=0.0),
+                   dict(temperature=1.3, topk=0, topp=0.8),
+                   dict(temperature=0.0, topk=0, topp=0.0)):
+    static = _sample(table, inputs, num_decodes=2, **settings)
+    # T5X quirk: a traced topp of 0 masks every token (uniform sampling), so topp is
+    # traced only where it is on.
+    traced_topp = settings['topp'] > 0
+    traced = jax.jit(lambda t, k, p: _sample(
+        table, inputs, num_decodes=2, temperature=t, topk=k,
+        topp=p if traced_topp else settings['topp']))(*settings.values())
+    np.testing.assert_array_equal(np.asarray(traced[0]), np.asarray(static[0]))
+    np.testing.assert_allclose(np.asarray(traced[1]), np.asarray(static[1]), rtol=1e-6)
+
+
+def test_per_row_temperature_and_topp():
+  table = _table(7, scale=1.0)
+  table[:, EOS] -= 100.0
+  inputs = jnp.zeros((3, 6), jnp.int32)
+  decodes, scores = _sample(table, inputs, num_decodes=4, topk=0,
+                            temperature=jnp.array([0.0, 1.0, 1.0]),
+                            topp=jnp.array([1.0, 1.0, 1e-6]))
+  decodes = np.asarray(decodes)
+  greedy = _numpy_greedy(table, np.zeros((1, 6), np.int32))[0]
+  np.testing.assert_array_equal(decodes[0], [greedy] * 4)  # temperature 0: argmax
+  np.testing.assert_array_equal(decodes[2], [greedy] * 4)  # topp ~0: the top token
+  np.testing.assert_array_equal(np.asarray(scores)[[0, 2]], 0.0)  # prob 1 after rescaling
+  # T5X quirk kept: per-row temperatures reuse one key for every row, so the copies of an
+  # input (equal logits) draw equal tokens.
+  assert len({tuple(row) for row in decodes[1]}) == 1 and not np.array_equal(
+      decodes[1, 0], greedy)
+  with pytest.raises(ValueError, match=r'temperature must be a scalar or one value per '
+                                       r'input row, shape \(3,\)'):
+    _sample(table, inputs, temperature=jnp.ones((2,)))
+
+
+def test_callbacks_see_t5x_loop_state_and_state_edits_are_honoured():
+  table = _chain_table()
+  table[:, EOS] = -100.0
+  seen = {}
+
+  def state_callback(state):
+    # Force token 6 at position 3 (a free position) before step 1 runs.
+    assert state.sequences.shape == (2, 8 + 2) and state.ended.shape == (2, 1)
+    forced = state.sequences.at[:, 3].set(jnp.where(state.step == 1, 6, state.sequences[:, 3]))
+    return state.replace(sequences=forced)
+
+  def logit_callback(logits, state):
+    seen['fields'] = (state.step.shape, state.cur_index.shape, state.cur_token.shape,
+                      state.log_prob.shape)
+    return logits.at[:, 5].add(jnp.where(state.step == 3, 100.0, 0.0))  # step 3 draws 5
+
+  decodes, _ = baseline.temperature_sample(
+      jnp.zeros((2, 8), jnp.int32), jnp.zeros((2,)), _table_tokens_to_logits(table), EOS,
+      temperature=0.0, state_callback_fn=state_callback, logit_callback_fn=logit_callback)
+  # 2, 3 (free), 6 (forced by the edit), 5 (logit callback), then the chain from 5.
+  np.testing.assert_array_equal(np.asarray(decodes[:, 0]), [[2, 3, 6, 5, 6, 2, 3, 4]] * 2)
+  assert seen['fields'] == ((), (2,), (2, 1), (2,))
+
+
+def test_num_decodes_repeats_cache_rows_in_place_as_t5x():
+  """tokens_to_logits sees [b * n, ...] cache leaves, each input's copies adjacent."""
+  batch, n = 2, 3
+  shapes = {}
+
+  def decode(cache, leaf, cache_offset):
+    def tokens_to_logits(state):
+      shapes.update(jax.tree_util.tree_map(lambda x: x.shape, state.cache))
+      token = leaf(state.cache)  # [b * n]: the next token names the cache row seen
+      return jax.nn.one_hot(token, VOCAB) * 10.0, state.cache
+    decodes, _ = baseline.temperature_sample(
+        jnp.zeros((batch, 1), jnp.int32), cache, tokens_to_logits, EOS, num_decodes=n,
+        temperature=0.0, cache_offset=cache_offset)
+    return np.asarray(decodes[:, :, 0])
+
+  cache = {'decoder': {'rows': jnp.array([[2, 0], [3, 0]]),  # [b, 2]
+                       'cache_index': jnp.zeros((), jnp.int32),  # shared, as T5X
+                       'cached_bias': jnp.ones((1, 4))}}  # shared, as T5X
+  np.testing.assert_array_equal(decode(cache, lambda c: c['decoder']['rows'][:, 0], 0),
+                                [[2, 2, 2], [3, 3, 3]])
+  assert shapes['decoder'] == {'rows': (6, 2), 'cache_index': (), 'cached_bias': (1, 4)}
+  scanned = {'keys': jnp.array([[0, 0], [2, 3]])}  # [layers, b]: scanned layers
+  np.testing.assert_array_equal(decode(scanned, lambda c: c['keys'][1], 1),
+                                [[2, 2, 2], [3, 3, 3]])
+  assert shapes['keys'] == (2, 6)
 
 
 @pytest.fixture(scope='module')
