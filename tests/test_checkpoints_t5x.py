@@ -167,8 +167,11 @@ def test_parent_directory_picks_the_latest_step(models, tmp_path):
   (tmp_path / 'checkpoint_40.tmp-abc' / 'checkpoint').write_bytes(b'')
   assert t5x.find_t5x_checkpoint(tmp_path).directory == str(tmp_path / 'checkpoint_10')
   _assert_same_arrays(t5x.load_t5x_checkpoint(tmp_path, config), doubled)
-  # The `checkpoint` file itself is accepted too.
+  # The `checkpoint` file itself is accepted too, and, as T5X does, under any name.
   _assert_same_arrays(t5x.load_t5x_checkpoint(tmp_path / 'checkpoint_3' / 'checkpoint'), params)
+  (tmp_path / 'checkpoint_10' / 'checkpoint').rename(tmp_path / 'checkpoint_10' / 'model.msgpack')
+  _assert_same_arrays(
+      t5x.load_t5x_checkpoint(tmp_path / 'checkpoint_10' / 'model.msgpack', config), doubled)
 
 
 def test_not_a_checkpoint_raises_clearly(tmp_path):

@@ -71,7 +71,7 @@ class CheckpointLocation(NamedTuple):
   """Where a checkpoint is: its checkpoint_<step> directory, format and what to open."""
   directory: str  # checkpoint_<step>/
   format: str  # 'legacy' | 'orbax'
-  item: str  # legacy: `directory`; orbax: the PyTree directory (usually directory/state)
+  item: str  # legacy: the msgpack file; orbax: the PyTree directory (usually directory/state)
 
 
 # Saving.
@@ -259,7 +259,7 @@ def _local_location(directory: str) -> CheckpointLocation | None:
   if os.path.isfile(os.path.join(directory, _ORBAX_METADATA)):
     return CheckpointLocation(directory, 'orbax', directory)
   if os.path.isfile(os.path.join(directory, _MSGPACK_FILE)):
-    return CheckpointLocation(directory, 'legacy', directory)
+    return CheckpointLocation(directory, 'legacy', os.path.join(directory, _MSGPACK_FILE))
   return None
 
 
@@ -284,20 +284,20 @@ def _gcs_location(path: str) -> CheckpointLocation:
                          (path, _ORBAX_METADATA)):
     if _key_exists(kvstore, metadata):
       return CheckpointLocation(path, 'orbax', item)
-  return CheckpointLocation(path, 'legacy', path)
+  return CheckpointLocation(path, 'legacy', f'{path}/{_MSGPACK_FILE}')
 
 
 def find_t5x_checkpoint(path) -> CheckpointLocation:
-  """Locates the checkpoint at `path`: a checkpoint_<step> directory, its `checkpoint`
-  file, an Orbax PyTree directory, or a parent of checkpoint_<step> directories (the
-  largest step holding a checkpoint wins). Raises FileNotFoundError naming what was
-  looked for.
+  """Locates the checkpoint at `path`: a checkpoint_<step> directory, a legacy msgpack
+  file of any name (as T5X accepts; its TensorStore arrays are read beside it), an Orbax
+  PyTree directory, or a parent of checkpoint_<step> directories (the largest step
+  holding a checkpoint wins). Raises FileNotFoundError naming what was looked for.
   """
   path = os.fspath(path)
   if _is_gcs(path):
     return _gcs_location(path)
-  if os.path.isfile(path) and os.path.basename(path) == _MSGPACK_FILE:
-    path = os.path.dirname(path) or '.'
+  if os.path.isfile(path):
+    return CheckpointLocation(os.path.dirname(path) or '.', 'legacy', path)
   if not os.path.isdir(path):
     raise FileNotFoundError(f'no checkpoint directory at {path}')
   location = _local_location(path) or _latest_local_checkpoint(path)
@@ -408,10 +408,11 @@ def _legacy_target(contents, where: str) -> dict:
   return state['target']
 
 
-def _read_legacy_tree(directory: str) -> dict:
-  """The 'target' tree of the legacy checkpoint in `directory`: arrays and spec dicts."""
-  where = _join(directory, _MSGPACK_FILE)
-  raw = _read_key(_directory_kvstore(directory), _MSGPACK_FILE)
+def _read_legacy_tree(directory: str, msgpack_file: str = _MSGPACK_FILE) -> dict:
+  """The 'target' tree of the legacy checkpoint in `directory` (its msgpack file named
+  `msgpack_file`): arrays and spec dicts."""
+  where = _join(directory, msgpack_file)
+  raw = _read_key(_directory_kvstore(directory), msgpack_file)
   if raw is None:
     raise FileNotFoundError(f'{where} does not exist')
   try:
@@ -465,8 +466,9 @@ def _sources(flat: Mapping[str, Any]) -> dict[str, str]:
           else 'inline' for path, leaf in flat.items()}
 
 
-def _load_legacy(directory: str, config: T5Config | None) -> dict[str, np.ndarray]:
-  flat = flax.traverse_util.flatten_dict(_read_legacy_tree(directory), sep='/',
+def _load_legacy(directory: str, config: T5Config | None,
+                 msgpack_file: str = _MSGPACK_FILE) -> dict[str, np.ndarray]:
+  flat = flax.traverse_util.flatten_dict(_read_legacy_tree(directory, msgpack_file), sep='/',
                                         is_leaf=lambda _, node: is_ts_spec(node))
   if config is not None:  # Shapes come from the specs: check before reading.
     check_params(flax.traverse_util.unflatten_dict(_leaf_shapes(flat), sep='/'), config,
@@ -525,7 +527,8 @@ def load_t5x_checkpoint(path, config: T5Config | None = None, *, dtype=None) -> 
   """Reads the params (the optimizer 'target') of a T5X checkpoint; ignores optimizer state.
 
   path: a checkpoint_<step> directory or its parent (the latest step wins), local or
-    gs://bucket/... (a checkpoint_<step> directory there); legacy or Orbax format.
+    gs://bucket/... (a checkpoint_<step> directory there); legacy or Orbax format; or a
+    local legacy msgpack file of any name.
   config: if given, the params must have exactly its paths and shapes (ValueError naming
     the first mismatched path and both shapes), checked before arrays are read.
   dtype: the dtype to return (e.g. float32 from a bfloat16 checkpoint); default on-disk.
@@ -535,7 +538,7 @@ def load_t5x_checkpoint(path, config: T5Config | None = None, *, dtype=None) -> 
   if location.format == 'orbax':
     flat = _load_orbax(location.item, config, dtype)
   else:
-    flat = _load_legacy(location.directory, config)
+    flat = _load_legacy(location.directory, config, posixpath.basename(location.item))
   if dtype is not None:
     flat = {path: np.asarray(array).astype(jnp.dtype(dtype), copy=False)
             for path, array in flat.items()}
