@@ -1,6 +1,7 @@
 """Model configuration: a frozen `T5Config` and the named sizes.
 
-The named sizes are those of the public T5X checkpoints (T5.1.1 and T5 1.0) plus
+The named sizes are those of the public T5X checkpoints (T5.1.1 and T5 1.0), the
+shipped local models (`local_target`, `local_draft_small`, `local_draft_base`) and
 small configurations used by tests. Each config is hashable, so it can be a static
 argument of `jax.jit`.
 """
@@ -72,6 +73,15 @@ def _t5_1_0(emb_dim, num_heads, head_dim, num_layers, mlp_dim) -> T5Config:
       mlp_activations=('relu',), logits_via_embedding=True)
 
 
+def _local(emb_dim, num_heads, head_dim, num_layers, mlp_dim) -> T5Config:
+  """The shipped local models: gated GELU with logits through the tied embedding,
+  over the shipped 8000-piece vocabulary."""
+  return T5Config(
+      vocab_size=8000, emb_dim=emb_dim, num_heads=num_heads, head_dim=head_dim,
+      num_encoder_layers=num_layers, num_decoder_layers=num_layers, mlp_dim=mlp_dim,
+      mlp_activations=('gelu', 'linear'), logits_via_embedding=True)
+
+
 NAMED_CONFIGS: dict[str, T5Config] = {
     't5_1_1_small': _t5_1_1(512, 6, 8, 1024),
     't5_1_1_base': _t5_1_1(768, 12, 12, 2048),
@@ -83,6 +93,10 @@ NAMED_CONFIGS: dict[str, T5Config] = {
     't5_large': _t5_1_0(1024, 16, 64, 24, 4096),
     't5_3B': _t5_1_0(1024, 32, 128, 24, 16384),
     't5_11B': _t5_1_0(1024, 128, 128, 24, 65536),
+    # The shipped local pairs (checkpoints/, jaxspec.pairs): gin/models/local_*.gin.
+    'local_target': _local(256, 4, 64, 4, 768),
+    'local_draft_small': _local(64, 2, 32, 2, 256),
+    'local_draft_base': _local(128, 4, 32, 3, 512),
     # Tiny configurations for tests: fast on CPU, both variants.
     'test_tiny_1_1': T5Config(
         vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, num_encoder_layers=2,

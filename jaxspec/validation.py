@@ -3,6 +3,10 @@
 Inside jit nothing can raise on values, so the public decoders check their concrete
 inputs here first; traced inputs (a caller's own jit) skip the value checks. After
 the call they report the rows whose logits were non-finite (flagged inside the jit).
+Also here: settings checked by type and range (the launcher checks all of them before
+loading anything), the API inputs callers commonly pass converted (Python lists of
+ids, a parameter tree without its {'params': ...} wrapper, an integer seed), and an
+estimate of a decode's memory, refused before compiling when it cannot fit.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxspec.config import T5Config
 
 # What a decoder does after a call in which some rows saw non-finite logits.
 NONFINITE_ACTIONS = ('raise', 'warn', 'ignore')
@@ -271,6 +277,8 @@ def check_decoder_memory(encoder_tokens, *, config, max_decode_length: int, gamm
   if not is_concrete(encoder_tokens):
     return  # Traced or spread over hosts: the caller placed it and knows its sizes.
   batch, input_length = np.shape(encoder_tokens)
+  if not isinstance(draft_config, T5Config):
+    draft_config = None  # A drafter without a T5 draft model adds little.
   devices = getattr(encoder_tokens, 'devices', lambda: None)()
   if available_bytes is None:
     available_bytes = available_memory_bytes(devices)
@@ -281,3 +289,20 @@ def check_decoder_memory(encoder_tokens, *, config, max_decode_length: int, gamm
           f'{max_decode_length}' if gamma else
           f'decoding a batch of {batch} with max_decode_length {max_decode_length}')
   check_decode_memory(needed, available_bytes, what)
+
+
+def drafter_variables(drafter_params):
+  """A drafter's params: a bare T5 tree (a T5 draft's parameters without the
+  {'params': ...} wrapper) is wrapped; anything else (n-gram tables, ()) passes."""
+  if (isinstance(drafter_params, Mapping) and 'params' not in drafter_params
+      and {'encoder', 'decoder'} <= set(drafter_params)):
+    return {'params': drafter_params}
+  return drafter_params
+
+
+def decoder_call(params, encoder_tokens, rng, sampling):
+  """What every public decoder does first: converts the API inputs as
+  `decoder_inputs` does and checks the sampling values (a temperature of inf would
+  sample uniformly without a word). Returns (variables, tokens, rng)."""
+  check_sampling_values(sampling.temperature, sampling.top_k, sampling.top_p)
+  return decoder_inputs(params, encoder_tokens, rng)

@@ -460,9 +460,12 @@ def generate(params, encoder_tokens, rng=None, *, config: T5Config, max_decode_l
   on_nonfinite: 'raise' (FloatingPointError naming the rows), 'warn' or 'ignore' when
   a row met NaN/+inf logits (output.nonfinite_logits; the row stopped there).
   """
+  params, encoder_tokens, rng = validation.decoder_call(params, encoder_tokens, rng, sampling)
   validation.check_encoder_tokens(encoder_tokens, config.vocab_size)
   validation.check_max_decode_length(max_decode_length)
   validation.check_nonfinite_action(on_nonfinite)
+  validation.check_decoder_memory(encoder_tokens, config=config,
+                                  max_decode_length=max_decode_length)
   output = _generate(params, encoder_tokens, rng, config=config,
                      max_decode_length=max_decode_length, sampling=sampling, eos_id=eos_id,
                      rescale_log_probs=rescale_log_probs)

@@ -244,10 +244,16 @@ def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None
   stopped there).
   """
   check_compatible(target_config, drafter)
+  target_params, encoder_tokens, rng = validation.decoder_call(
+      target_params, encoder_tokens, rng, sampling)
+  drafter_params = validation.drafter_variables(drafter_params)
   validation.check_encoder_tokens(encoder_tokens, target_config.vocab_size)
   validation.check_max_decode_length(max_decode_length)
   validation.check_gamma(spec.gamma, max_decode_length)
   validation.check_nonfinite_action(on_nonfinite)
+  validation.check_decoder_memory(
+      encoder_tokens, config=target_config, max_decode_length=max_decode_length,
+      gamma=spec.gamma, draft_config=getattr(drafter, 'config', None))
   result = _speculative_generate(
       target_params, drafter_params, encoder_tokens, rng, target_config=target_config,
       drafter=drafter, spec=spec, max_decode_length=max_decode_length, sampling=sampling,
