@@ -7,8 +7,14 @@ and returns gamma tokens with the standardized distribution q each was drawn fro
 Deterministic drafters return one-hot q.
 
 Implementations: T5Drafter (t5_drafter.py); UnigramDrafter, BigramDrafter with
-fit_unigram and fit_bigram (ngram.py); PromptLookupDrafter (prompt_lookup.py). All
-are importable from `jaxspec.decoding.drafters`.
+fit_unigram and fit_bigram (ngram.py); PromptLookupDrafter (prompt_lookup.py);
+SharedEncoderDrafter (shared_encoder_drafter.py). All are importable from
+`jaxspec.decoding.drafters`.
+
+A drafter that reads the target's encoder output instead of encoding the input
+itself also defines `init_state_from_target(params, encoder_tokens, target_encoded,
+max_length)`; speculative decoding then calls it (through `init_drafter_state`) with
+the encoding the target already computed, in place of `init_state`.
 
 Positions: the decoder input sequence is x_0 = 0 (start), x_j = tokens[j-1]. With
 `length` committed tokens the next token to predict is tokens[length], from the
@@ -59,6 +65,15 @@ class Drafter(Protocol):
 
     keys [b]: one PRNG key per row for this iteration.
     """
+
+
+def init_drafter_state(drafter: Drafter, params, encoder_tokens, target_encoded,
+                       max_length: int):
+  """The drafter's per-generation state; target_encoded [b, s, e] is the target's
+  encoder output, used by drafters that define `init_state_from_target`."""
+  if hasattr(drafter, 'init_state_from_target'):
+    return drafter.init_state_from_target(params, encoder_tokens, target_encoded, max_length)
+  return drafter.init_state(params, encoder_tokens, max_length)
 
 
 def draw_tokens(keys, probs, sampling: SamplingConfig):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxspec import validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common
-from jaxspec.decoding.drafter import DraftContext, Drafter, draw_tokens
+from jaxspec.decoding.drafter import DraftContext, Drafter, draw_tokens, init_drafter_state
 from jaxspec.model import T5, DecoderCache, rollback
 from jaxspec.sampling import (SamplingConfig, gather_probs, nonfinite_logits,
                               speculative_verdict, standardize)
@@ -202,7 +202,9 @@ def check_compatible(target_config: T5Config, drafter: Drafter):
 
 def _first_token(target_params, encoder_tokens, row_keys, *, target_config, cache_length,
                  max_decode_length, sampling, gamma, eos_id):
-  """Encodes once, runs one ordinary target step and builds the loop state (minus drafter)."""
+  """Encodes once, runs one ordinary target step and builds the loop state (minus drafter).
+
+  Also returns the target's encoder output, for drafters that share it."""
   model = T5(target_config)
   batch = encoder_tokens.shape[0]
   encoded = model.apply(target_params, encoder_tokens, method=T5.encode)
@@ -225,7 +227,7 @@ def _first_token(target_params, encoder_tokens, row_keys, *, target_config, cach
       accepted_per_position=jnp.zeros((gamma,), jnp.int32),
       num_accepted_counts=jnp.zeros((gamma + 1,), jnp.int32),
       overlap_sum=jnp.zeros((), jnp.float32), verified_positions=jnp.zeros((), jnp.int32))
-  return tokens, log_probs, done, cache, stats, broken
+  return tokens, log_probs, done, cache, stats, broken, encoded
 
 
 def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None, *,
@@ -272,14 +274,15 @@ def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
   row_keys = common.row_keys(rng, batch)
   # Room for a full verify window even from the last position; writes past it drop.
   cache_length = max_decode_length + spec.gamma
-  tokens, log_probs, done, target_cache, stats, nonfinite = _first_token(
+  tokens, log_probs, done, target_cache, stats, nonfinite, encoded = _first_token(
       target_params, encoder_tokens, row_keys, target_config=target_config,
       cache_length=cache_length, max_decode_length=max_decode_length, sampling=sampling,
       gamma=spec.gamma, eos_id=eos_id)
   initial = _LoopState(
       tokens=tokens, token_log_probs=log_probs, length=jnp.ones((batch,), jnp.int32),
       done=done, target_cache=target_cache,
-      drafter_state=drafter.init_state(drafter_params, encoder_tokens, cache_length),
+      drafter_state=init_drafter_state(drafter, drafter_params, encoder_tokens, encoded,
+                                       cache_length),
       row_keys=row_keys, iteration=jnp.ones((), jnp.int32), stats=stats,
       nonfinite=nonfinite)
   body = functools.partial(

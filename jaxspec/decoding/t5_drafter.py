@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxspec.config import T5Config
 from jaxspec.decoding.drafter import DraftContext, draw_tokens
-from jaxspec.model import T5, rollback
+from jaxspec.model import T5, DecoderCache, rollback
 from jaxspec.model.sharding import DRAFT
 from jaxspec.sampling import SamplingConfig, standardize
 
@@ -37,21 +37,34 @@ class T5Drafter:
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys):
     model = T5(self.config, role=DRAFT)
-    cache = rollback(state, context.length - 1)
-    logits, cache = model.apply(params, context.last_two_inputs(), cache, method=T5.decode)
-    step_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(keys)  # [b, gamma]
-    probs = standardize(logits[:, -1], sampling)  # [b, v]
-    token = draw_tokens(step_keys[:, 0], probs, sampling)
+    decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
+                                               method=T5.decode)
+    return propose_from_decoder(decode, state, context, gamma, sampling, keys)
 
-    def step(carry, step_key):
-      cache, token = carry
-      logits, cache = model.apply(params, token[:, None], cache, method=T5.decode)
-      probs = standardize(logits[:, 0], sampling)
-      next_token = draw_tokens(step_key, probs, sampling)
-      return (cache, next_token), (next_token, probs)
 
-    (cache, _), (rest_tokens, rest_probs) = jax.lax.scan(
-        step, (cache, token), jnp.swapaxes(step_keys[:, 1:], 0, 1))
-    tokens = jnp.concatenate([token[:, None], jnp.swapaxes(rest_tokens, 0, 1)], axis=1)
-    all_probs = jnp.concatenate([probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
-    return tokens, all_probs, cache
+def propose_from_decoder(decode, cache: DecoderCache, context: DraftContext, gamma: int,
+                         sampling: SamplingConfig, keys):
+  """gamma drafts from a cached decoder: -> tokens [b, gamma], q [b, gamma, v], cache.
+
+  decode(tokens [b, k], cache) -> (logits [b, k, v], cache), e.g. T5.decode. The cache
+  is rolled back to length - 1 and fed [x_{length-1}, x_length] in one step, then
+  gamma - 1 single steps run in a scan. keys [b]: one PRNG key per row.
+  """
+  cache = rollback(cache, context.length - 1)
+  logits, cache = decode(context.last_two_inputs(), cache)
+  step_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(keys)  # [b, gamma]
+  probs = standardize(logits[:, -1], sampling)  # [b, v]
+  token = draw_tokens(step_keys[:, 0], probs, sampling)
+
+  def step(carry, step_key):
+    cache, token = carry
+    logits, cache = decode(token[:, None], cache)
+    probs = standardize(logits[:, 0], sampling)
+    next_token = draw_tokens(step_key, probs, sampling)
+    return (cache, next_token), (next_token, probs)
+
+  (cache, _), (rest_tokens, rest_probs) = jax.lax.scan(
+      step, (cache, token), jnp.swapaxes(step_keys[:, 1:], 0, 1))
+  tokens = jnp.concatenate([token[:, None], jnp.swapaxes(rest_tokens, 0, 1)], axis=1)
+  all_probs = jnp.concatenate([probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
+  return tokens, all_probs, cache

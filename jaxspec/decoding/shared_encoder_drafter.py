@@ -1,0 +1,110 @@
+"""A drafter that shares the target's encoder: a draft decoder over the target's encoding.
+
+Speculative decoding encodes the input once, with the target, and hands that encoder
+output to `init_state_from_target`; the draft decoder (jaxspec.model.shared_encoder_draft)
+projects it to its own width if needed and computes its cross-attention keys/values
+from it. Drafting then costs the draft decoder's steps only, never an encoder pass.
+Proposals are those of T5Drafter (roll back by index, one two-input step, gamma - 1
+single steps), so exactness rests on the same verify step as for every drafter.
+
+`SharedEncoderDrafterWithTarget` runs stand-alone (its params carry the target's, and
+`init_state` encodes with the target's encoder) for measurements that call a drafter
+outside speculative decoding, such as the acceptance-rate and step-cost benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxspec.config import T5Config
+from jaxspec.decoding.drafter import DraftContext
+from jaxspec.decoding.t5_drafter import propose_from_decoder
+from jaxspec.model import T5
+from jaxspec.model.sharding import DRAFT
+from jaxspec.model.shared_encoder_draft import SharedEncoderDraft
+from jaxspec.sampling import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedEncoderDrafter:
+  """A draft decoder cross-attending to the target's encoder output.
+
+  config: the draft decoder (vocabulary, width, heads, decoder layers, MLP); its
+    encoder fields are unused. encoder_dim: the target's emb_dim.
+  params: the draft's variables {'params': ...} (no encoder).
+  """
+  config: T5Config
+  encoder_dim: int
+
+  def __post_init__(self):
+    if self.encoder_dim < 1:
+      raise ValueError(f'encoder_dim must be >= 1 (the target emb_dim), got {self.encoder_dim}')
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  def model(self) -> SharedEncoderDraft:
+    return SharedEncoderDraft(self.config, self.encoder_dim, role=DRAFT)
+
+  def init_state(self, params, encoder_tokens, max_length: int):
+    raise ValueError(
+        "SharedEncoderDrafter drafts from the target's encoder output and has no encoder "
+        'of its own: speculative decoding passes that output to init_state_from_target; '
+        'to run it stand-alone use SharedEncoderDrafterWithTarget')
+
+  def init_state_from_target(self, params, encoder_tokens, target_encoded, max_length: int):
+    """target_encoded [b, s, encoder_dim] -> the draft's DecoderCache of max_length."""
+    return self.model().apply(params, target_encoded, encoder_tokens, max_length,
+                              method=SharedEncoderDraft.init_cache)
+
+  def propose(self, params, state, context: DraftContext, gamma: int,
+              sampling: SamplingConfig, keys):
+    model = self.model()
+    decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
+                                               method=SharedEncoderDraft.decode)
+    return propose_from_decoder(decode, state, context, gamma, sampling, keys)
+
+  def teacher_forced_logits(self, params, target_encoded, encoder_tokens, decoder_inputs):
+    """Logits [b, t, v] at every position of decoder inputs [b, t] (shifted right)."""
+    return self.model().apply(params, target_encoded, encoder_tokens, decoder_inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedEncoderDrafterWithTarget:
+  """`drafter` made stand-alone: params {'draft': draft variables, 'target': the
+  target's variables}; `init_state` runs the target's encoder. Inside speculative
+  decoding `init_state_from_target` reuses the target's encoding instead.
+  """
+  drafter: SharedEncoderDrafter
+  target_config: T5Config
+
+  def __post_init__(self):
+    if self.target_config.emb_dim != self.drafter.encoder_dim:
+      raise ValueError(f'the target emb_dim {self.target_config.emb_dim} differs from the '
+                       f"draft's encoder_dim {self.drafter.encoder_dim}")
+
+  @property
+  def vocab_size(self) -> int:
+    return self.drafter.vocab_size
+
+  def encode(self, params, encoder_tokens):
+    """encoder_tokens [b, s] -> the target's encoder output [b, s, encoder_dim]."""
+    return T5(self.target_config).apply(params['target'], encoder_tokens, method=T5.encode)
+
+  def init_state(self, params, encoder_tokens, max_length: int):
+    return self.drafter.init_state_from_target(
+        params['draft'], encoder_tokens, self.encode(params, encoder_tokens), max_length)
+
+  def init_state_from_target(self, params, encoder_tokens, target_encoded, max_length: int):
+    return self.drafter.init_state_from_target(params['draft'], encoder_tokens,
+                                               target_encoded, max_length)
+
+  def propose(self, params, state, context: DraftContext, gamma: int,
+              sampling: SamplingConfig, keys):
+    return self.drafter.propose(params['draft'], state, context, gamma, sampling, keys)
+
+  def teacher_forced_logits(self, params, encoder_tokens, decoder_inputs):
+    """Logits [b, t, v] of the draft at every position, the target encoding once."""
+    return self.drafter.teacher_forced_logits(
+        params['draft'], self.encode(params, encoder_tokens), encoder_tokens, decoder_inputs)
