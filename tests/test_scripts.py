@@ -1,7 +1,10 @@
 """The launchers end to end on tiny models: training resumes exactly, inference
 resumes without redoing or losing records (also after SIGTERM or SIGKILL), samples
-do not depend on the batch size, and bad configuration is refused clearly."""
+do not depend on the batch size, bad configuration is refused clearly and before any
+model is loaded, an output directory holds one set of settings and one writer, and
+users' own text is decoded from a file or stdin."""
 
+import io
 import json
 import logging
 import os
@@ -23,6 +26,7 @@ sys.path.insert(0, os.path.join(REPO, 'scripts'))
 import gin_flags  # noqa: E402
 import infer as infer_script  # noqa: E402
 import train as train_script  # noqa: E402
+from jaxspec import inference  # noqa: E402
 from jaxspec.checkpoints.t5x import load_t5x_checkpoint, save_t5x_checkpoint  # noqa: E402
 from jaxspec.model import init_params  # noqa: E402
 
@@ -273,3 +277,132 @@ def test_infer_killed_and_restarted_writes_what_an_uninterrupted_run_writes(tiny
       resumed = _final_records(out_dir, name)
       assert [r['index'] for r in resumed] == list(range(INTERRUPTED_EXAMPLES)), context
       assert resumed == _final_records(tmp_path / 'straight', name), context
+
+
+# Settings: the output directory is keyed by them, locked, and checked up front.
+
+def test_other_settings_are_refused_naming_them_or_written_beside(tiny_checkpoints):
+  tmp_path = tiny_checkpoints
+  _parse(tmp_path, _infer_config(tmp_path))
+  first = infer_script.infer()
+  out = tmp_path / 'out'
+  before = {p.name: p.read_bytes() for p in out.iterdir()}
+  # The issue's rerun: other sampling and gamma, fewer examples, the same output_dir.
+  changed = ['TEMPERATURE=1.0', 'GAMMA=3', 'infer.num_examples=3']
+  _parse(tmp_path, _infer_config(tmp_path), changed)
+  with pytest.raises(inference.SettingsChanged,
+                     match=r'sampling.temperature, speculative.gamma differ'):
+    infer_script.infer()
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # Nothing touched.
+  _parse(tmp_path, _infer_config(tmp_path), changed + ["infer.on_settings_change='new_dir'"])
+  summary = infer_script.infer()
+  fresh = json.loads(open(os.path.join(summary['output_dir'], 'settings.json')).read())
+  assert summary['output_dir'] == f"{out}-{fresh['fingerprint']}"
+  assert summary['temperature'] == 1.0 and summary['gamma'] == 3
+  assert summary['examples'] == 3
+  assert sorted(r['index'] for r in _records(os.path.join(summary['output_dir'],
+                                                          'speculative.jsonl'))) == [0, 1, 2]
+  # The same settings with fewer examples resume the first directory: the summary
+  # covers exactly the examples asked for, from the records already there.
+  _parse(tmp_path, _infer_config(tmp_path), ['infer.num_examples=3'])
+  subset = infer_script.infer()
+  assert subset['examples'] == 3 and first['examples'] == 5
+  assert len(_records(out / 'baseline.jsonl')) == 5
+
+
+def test_a_second_writer_is_refused(tiny_checkpoints):
+  tmp_path = tiny_checkpoints
+  _parse(tmp_path, _infer_config(tmp_path))
+  os.makedirs(tmp_path / 'out')
+  lock = inference.DirectoryLock(str(tmp_path / 'out'))  # A run in progress.
+  try:
+    with pytest.raises(inference.OutputDirectoryBusy,
+                       match=rf'out is being written by another run \(pid {os.getpid()}\)'):
+      infer_script.infer()
+  finally:
+    lock.release()
+  assert not (tmp_path / 'out' / 'baseline.jsonl').exists()
+  assert infer_script.infer()['examples'] == 5  # Released, the directory is free.
+
+
+@pytest.mark.parametrize('binding, message', [
+    ('GAMMA=2.5', r'gamma \(jaxspec.SpeculativeConfig.gamma\) must be an integer, got 2.5'),
+    ('GAMMA=10000', r'gamma 10000 is larger than the decode buffer allows'),
+    ('TEMPERATURE=1e999', r'temperature must be finite, got inf'),
+    ('TOP_P=0.0', r'top_p must be'),
+    ('TOP_K=1.5', r'top_k must be an integer'),
+    ('infer.batch_size=0', r'infer.batch_size must be >= 1, got 0'),
+    ('infer.num_examples=0', r'infer.num_examples must be >= 1'),
+    ("infer.split='tset'", r"infer.split must be one of \('train', 'validation', 'test'\)"),
+    ("infer.target_checkpoint='/nowhere'", r'no checkpoint directory at /nowhere'),
+    ('infer.batch_size=4096',
+     r'decoding batches of 4096 with max_decode_length 8 and gamma 2 needs about \d+\.\d GiB '
+     r'.* more than the 1.0 GiB available'),
+])
+def test_bad_settings_fail_before_any_model_is_loaded(tiny_checkpoints, monkeypatch,
+                                                      binding, message):
+  tmp_path = tiny_checkpoints
+  def loaded(*args, **kwargs):
+    raise AssertionError('a model was loaded before the settings were checked')
+  monkeypatch.setattr(infer_script.inference, 'load_model_params', loaded)
+  monkeypatch.setattr(infer_script.validation, 'available_memory_bytes', lambda _: 2**30)
+  _parse(tmp_path, _infer_config(tmp_path), [binding])
+  with pytest.raises((ValueError, FileNotFoundError), match=message):
+    infer_script.infer()
+  assert not (tmp_path / 'out').exists()
+
+
+def test_a_typo_in_a_macro_fails_naming_the_closest(tmp_path):
+  with pytest.raises(ValueError, match=r"--gin.GAMA binds the macro GAMA, which no "
+                     r"configuration uses .* Did you mean 'GAMMA'\?"):
+    gin_flags.parse([f'--gin_file={infer_script.DEFAULT_GIN_FILE}', '--gin.GAMA=7'])
+  gin.clear_config()
+  gin_flags.parse([f'--gin_file={infer_script.DEFAULT_GIN_FILE}', '--gin.GAMMA=7'])
+
+
+# Own text: --input_file (lines or JSON lines, a file or stdin), JSONL on stdout.
+
+def test_own_text_from_a_file_and_stdin_equals_the_split_run(tiny_checkpoints, capsys,
+                                                             monkeypatch, caplog):
+  tmp_path = tiny_checkpoints
+  _parse(tmp_path, _infer_config(tmp_path), ["infer.decoders=('speculative',)"])
+  infer_script.infer()
+  split = {r['inputs']: r['prediction'] for r in _records(tmp_path / 'out' /
+                                                          'speculative.jsonl')}
+  capsys.readouterr()
+  texts = list(split)[:3]
+  lines = [texts[0], '', texts[1], '   ', texts[2]]  # Empty lines are skipped, reported.
+  text_file = tmp_path / 'mine.txt'
+  text_file.write_text('\n'.join(lines) + '\n')
+  argv = [f'--gin_file={tmp_path}/config.gin', "--gin.infer.decoders=('speculative',)"]
+  gin.clear_config()
+  with caplog.at_level(logging.WARNING):
+    infer_script.main(argv + [f'--input_file={text_file}'])
+  from_file = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert [r['line'] for r in from_file] == [1, 3, 5]
+  assert [r['input'] for r in from_file] == texts
+  assert [r['prediction'] for r in from_file] == [split[t] for t in texts]  # Greedy.
+  assert all(r['stats']['target_calls'] >= 1 for r in from_file)
+  assert re.search(r'mine.txt: 2 empty line\(s\) skipped, not decoded: lines \[2, 4\]',
+                   caplog.text)
+  jsonl = ''.join(json.dumps({'text': t, 'id': i}) + '\n' for i, t in enumerate(texts))
+  monkeypatch.setattr(sys, 'stdin', io.TextIOWrapper(io.BytesIO(jsonl.encode())))
+  gin.clear_config()
+  infer_script.main(argv + ['--input_file=-', '--input_field=text'])
+  from_stdin = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert [r['prediction'] for r in from_stdin] == [r['prediction'] for r in from_file]
+
+
+@pytest.mark.parametrize('content, field, message', [
+    (b'Hello\nGr\xfc\xdfe\n', None, r'bad.txt, line 2: not valid UTF-8 \(byte 0xfc at column 3\)'),
+    (b'{"text": "a"}\n{"txt": "b"}\n', 'text', r"bad.txt, line 2: no field 'text' \(has \['txt'\]\)"),
+    (b'{"text": "a"}\n{"text": \n', 'text', r'bad.txt, line 2: not a JSON record'),
+    (b'\n  \n', None, r'bad.txt holds no input to decode \(empty lines: 2\)'),
+])
+def test_bad_input_files_are_named_by_file_and_line(tiny_checkpoints, content, field, message):
+  tmp_path = tiny_checkpoints
+  path = tmp_path / 'bad.txt'
+  path.write_bytes(content)
+  _parse(tmp_path, _infer_config(tmp_path))
+  with pytest.raises(ValueError, match=message):
+    infer_script.infer(input_file=str(path), input_field=field)
