@@ -123,3 +123,83 @@ def test_write_text_atomic_replaces_whole_files_and_leaves_no_temporary(tmp_path
   with pytest.raises(KeyboardInterrupt):
     inference.write_text_atomic(str(path), 'newer')
   assert path.read_text() == 'new'
+
+
+# The output directory: settings fingerprint, lock, and users' own text.
+
+SETTINGS = {'sampling': {'temperature': 0.0, 'top_k': 0}, 'speculative': {'gamma': 3},
+            'seed': 0}
+
+
+def _changed(**changes):
+  settings = json.loads(json.dumps(SETTINGS))
+  for dotted, value in changes.items():
+    group, key = dotted.split('__')
+    settings[group][key] = value
+  return settings
+
+
+def test_an_output_dir_refuses_other_settings_naming_them(tmp_path):
+  out = str(tmp_path / 'out')
+  directory, lock = inference.claim_output_dir(out, SETTINGS)
+  inference.ResumableJsonl(os.path.join(out, 'baseline.jsonl')).append(
+      [{'index': 0, 'fingerprint': inference.settings_fingerprint(SETTINGS)}])
+  lock.release()
+  assert inference.claim_output_dir(out, SETTINGS)[1].release() is None  # Same: resumes.
+  other = _changed(sampling__temperature=1.0, speculative__gamma=7)
+  with pytest.raises(inference.SettingsChanged,
+                     match=r'sampling.temperature, speculative.gamma differ'):
+    inference.claim_output_dir(out, other)
+  fresh, lock = inference.claim_output_dir(out, other, 'new_dir')
+  lock.release()
+  assert fresh == f'{out}-{inference.settings_fingerprint(other)}' and directory == out
+  with open(os.path.join(fresh, inference.SETTINGS_FILE)) as f:
+    assert json.load(f)['settings'] == other
+
+
+def test_records_without_settings_are_refused(tmp_path):
+  # A directory written before settings were recorded: its records say nothing of them.
+  (tmp_path / 'out').mkdir()
+  (tmp_path / 'out' / 'baseline.jsonl').write_text('{"index": 0}\n')
+  with pytest.raises(inference.SettingsChanged, match=r'baseline.jsonl holds records '
+                     r'written without a settings fingerprint'):
+    inference.claim_output_dir(str(tmp_path / 'out'), SETTINGS)
+  # Records with this fingerprint (e.g. seeded from another directory) are adopted.
+  (tmp_path / 'out' / 'baseline.jsonl').write_text(json.dumps(
+      {'index': 0, 'fingerprint': inference.settings_fingerprint(SETTINGS)}) + '\n')
+  inference.claim_output_dir(str(tmp_path / 'out'), SETTINGS)[1].release()
+
+
+def test_a_second_writer_is_refused_until_the_first_releases(tmp_path):
+  out = str(tmp_path / 'out')
+  _, lock = inference.claim_output_dir(out, SETTINGS)
+  with pytest.raises(inference.OutputDirectoryBusy,
+                     match=rf'out is being written by another run \(pid {os.getpid()}\)'):
+    inference.claim_output_dir(out, SETTINGS)
+  lock.release()
+  inference.claim_output_dir(out, SETTINGS)[1].release()
+
+
+def test_checkpoint_identity_follows_content_not_copies(checkpoint_dir, tmp_path):
+  copy = shutil.copytree(checkpoint_dir, tmp_path / 'copy' / 'checkpoint_1')
+  original = inference.checkpoint_identity(checkpoint_dir)
+  copied = inference.checkpoint_identity(str(copy))
+  assert copied['content'] == original['content'] and copied['path'] != original['path']
+  with open(os.path.join(copy, 'checkpoint'), 'r+b') as f:  # Another training result.
+    data = f.read()
+    f.seek(len(data) // 2)
+    f.write(bytes([data[len(data) // 2] ^ 1]))
+  assert inference.checkpoint_identity(str(copy))['content'] != original['content']
+
+
+def test_text_inputs_skip_empty_lines_and_name_bad_ones():
+  inputs, empty = inference.read_text_inputs(b'Hallo\n\n  \nWelt\n', 'in.txt')
+  assert inputs == [(1, 'Hallo'), (4, 'Welt')] and empty == [2, 3]
+  inputs, empty = inference.read_text_inputs(
+      b'{"text": "a", "id": 1}\n\n{"text": ""}\n', 'in.jsonl', 'text')
+  assert inputs == [(1, 'a')] and empty == [2, 3]
+  with pytest.raises(ValueError, match=r'in.txt, line 3: not valid UTF-8 \(byte 0xe4 at '
+                     r'column 2\)'):
+    inference.read_text_inputs('a\nb\n'.encode() + 'Käse'.encode('latin-1'), 'in.txt')
+  with pytest.raises(ValueError, match=r"in.jsonl, line 1: field 'text' holds int, not text"):
+    inference.read_text_inputs(b'{"text": 3}\n', 'in.jsonl', 'text')
