@@ -736,3 +736,119 @@ def test_nan_drafter_is_reported_not_accepted():
   np.testing.assert_array_equal(broken.output.tokens[:, 1:], 0)
   np.testing.assert_array_equal(broken.output.nonfinite_logits, first != EOS_ID)
   assert (first != EOS_ID).sum() >= 4
+
+
+# ----------------------------------------------------------------------------------
+# 9. Block verification and adaptive gamma (SpeculativeConfig.verification and
+# draft_confidence_threshold) are exact by the same checks; the trace of a decode
+# rebuilds its output.
+
+OPTIONS = {
+    'block': dict(verification='block'),
+    'adaptive': dict(draft_confidence_threshold=0.5),
+    'block_adaptive': dict(verification='block', draft_confidence_threshold=0.5),
+}
+
+
+def _rebuild_from_trace(trace, row):
+  """The committed tokens of `row`, from its trace alone."""
+  tokens = []
+  for t in range(trace.committed.shape[1]):
+    accepted = [int(x) for x in trace.drafts[row, t, :trace.num_accepted[row, t]]]
+    tokens += (accepted + [int(trace.next_token[row, t])])[:int(trace.committed[row, t])]
+  return tokens
+
+
+def _check_trace(result, gamma):
+  """The trace rebuilds every row's output and agrees with the statistics."""
+  trace = jax.tree_util.tree_map(np.asarray, result.trace)
+  tokens, lengths = np.asarray(result.output.tokens), np.asarray(result.output.lengths)
+  for row in range(tokens.shape[0]):
+    assert _rebuild_from_trace(trace, row) == tokens[row, :lengths[row]].tolist(), row
+  active = trace.committed[:, 1:] > 0  # [b, L-1] loop iterations where the row committed
+  drafted, accepted = trace.num_drafts[:, 1:][active], trace.num_accepted[:, 1:][active]
+  assert np.all((drafted >= 1) & (drafted <= gamma) & (accepted <= drafted))
+  stats = result.stats
+  np.testing.assert_array_equal(stats.num_drafted_counts,
+                                np.bincount(drafted, minlength=gamma + 1))
+  np.testing.assert_array_equal(stats.num_accepted_counts,
+                                np.bincount(accepted, minlength=gamma + 1))
+  assert int(stats.verified_positions) == np.minimum(accepted + 1, drafted).sum()
+
+
+@functools.cache
+def _option_greedy_run(option, drafter_name, gamma=3):
+  drafter, drafter_params = _drafter_setup(drafter_name)
+  return speculative_generate(
+      _target_params(), drafter_params, _encoder_tokens(), target_config=TARGET,
+      drafter=drafter, spec=SpeculativeConfig(gamma=gamma, **OPTIONS[option]),
+      max_decode_length=MAX_LEN, record_trace=True)
+
+
+@pytest.mark.parametrize('option', list(OPTIONS))
+def test_greedy_options_equal_baseline(option):
+  result = _option_greedy_run(option, 'near_copy')
+  np.testing.assert_array_equal(result.output.tokens, _baseline().tokens)
+  _assert_padded_after_eos(result.output)
+  _check_trace(result, 3)
+  if option == 'block':
+    # Greedy block verification keeps exactly token-wise verification's prefix.
+    _assert_same_stats(result.stats, _greedy_run('near_copy', 3).stats)
+    _check_stats(result, 3)
+    assert _greedy_run('near_copy', 3).trace is None  # Off by default.
+
+
+# name -> (case of SAMPLED_CASES or (sampling, gamma, length), option)
+SAMPLED_OPTION_CASES = {
+    'block_t1_gamma2': ('t1_gamma2', 'block'),
+    'adaptive_t1_gamma3_len4': ((SamplingConfig(temperature=1.0), 3, 4), 'adaptive'),
+}
+
+
+@functools.cache
+def _sampled_option_run(name):
+  case, option = SAMPLED_OPTION_CASES[name]
+  sampling, gamma, length = SAMPLED_CASES[case] if isinstance(case, str) else case
+  result = speculative_generate(
+      _small_target_params(), _small_draft_params(), _small_encoder_tokens(),
+      jax.random.PRNGKey(5), target_config=SMALL, drafter=T5Drafter(SMALL),
+      spec=SpeculativeConfig(gamma=gamma, **OPTIONS[option]), max_decode_length=length,
+      sampling=sampling, record_trace=True)
+  return result, sampling, gamma, length
+
+
+@pytest.mark.parametrize('name', list(SAMPLED_OPTION_CASES))
+def test_sampled_options_match_exact_distribution(name):
+  result, sampling, gamma, length = _sampled_option_run(name)
+  _assert_matches(result.output.tokens, *_exact_joint('target', sampling, length))
+  _assert_padded_after_eos(result.output)
+  _check_trace(result, gamma)
+  counts = np.asarray(result.stats.num_accepted_counts)
+  assert counts[0] > 0 and counts[gamma] > 0
+  drafted = np.asarray(result.stats.num_drafted_counts)
+  if 'adaptive' in name:  # Rows stopped at every length, including the full gamma.
+    assert np.all(drafted[1:] > 1000), drafted
+  else:
+    np.testing.assert_array_equal(drafted[:gamma], 0)
+
+
+def test_sampled_block_accepts_more_than_token_wise():
+  # Per iteration E[accepted] is larger for block verification on the same p and q.
+  block = _sampled_option_run('block_t1_gamma2')[0].stats.num_accepted_counts
+  token = _sampled_run('t1_gamma2').stats.num_accepted_counts
+  def mean_and_error(counts):
+    counts = np.asarray(counts, np.float64)
+    values = np.arange(len(counts))
+    mean = counts @ values / counts.sum()
+    return mean, math.sqrt((counts @ (values - mean) ** 2) / counts.sum() / counts.sum())
+  (block_mean, block_error), (token_mean, token_error) = map(mean_and_error, (block, token))
+  assert block_mean > token_mean - 4 * math.hypot(block_error, token_error)
+
+
+def test_option_values_are_checked():
+  with pytest.raises(ValueError, match='verification'):
+    SpeculativeConfig(verification='tree')
+  with pytest.raises(ValueError, match='lenience'):
+    SpeculativeConfig(verification='block', lenience=0.5)
+  with pytest.raises(ValueError, match='draft_confidence_threshold'):
+    SpeculativeConfig(draft_confidence_threshold=1.5)

@@ -76,6 +76,31 @@ def init_drafter_state(drafter: Drafter, params, encoder_tokens, target_encoded,
   return drafter.init_state(params, encoder_tokens, max_length)
 
 
+def draft_confidence(logits, probs, sampling: SamplingConfig):
+  """[b]: the largest probability the draft gave at a position, from its logits [b, v]
+  and standardized q [b, v]: max q when sampling; at temperature 0, where q is one-hot,
+  the largest probability of the softmax of the logits."""
+  if sampling.is_greedy:
+    return jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+  return jnp.max(probs, axis=-1)
+
+
+def propose_with_confidence(drafter: Drafter, params, state, context: DraftContext,
+                            gamma: int, sampling: SamplingConfig, keys, stop_below: float):
+  """-> drafts [b, g], q [b, g, v], confidence [b, g], new state (adaptive gamma).
+
+  Drafters that define `propose_with_confidence` (T5 drafters) report draft_confidence
+  and may skip the steps after every row has drafted a token below stop_below (those
+  positions come back as token 0, q 0, confidence 0). Others propose as usual, with
+  the largest probability of q as the confidence (1 for one-hot q).
+  """
+  if hasattr(drafter, 'propose_with_confidence'):
+    return drafter.propose_with_confidence(params, state, context, gamma, sampling, keys,
+                                           stop_below)
+  drafts, probs, state = drafter.propose(params, state, context, gamma, sampling, keys)
+  return drafts, probs, jnp.max(probs, axis=-1), state
+
+
 def draw_tokens(keys, probs, sampling: SamplingConfig):
   """keys [b], probs [b, v] -> tokens [b] (argmax of a one-hot when greedy)."""
   if sampling.is_greedy:

@@ -24,13 +24,16 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxspec import validation
+from jaxspec import block_verification, validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common
-from jaxspec.decoding.drafter import DraftContext, Drafter, draw_tokens, init_drafter_state
+from jaxspec.decoding.drafter import (DraftContext, Drafter, draw_tokens, init_drafter_state,
+                                      propose_with_confidence)
 from jaxspec.model import T5, DecoderCache, rollback
-from jaxspec.sampling import (SamplingConfig, gather_probs, nonfinite_logits,
-                              speculative_verdict, standardize)
+from jaxspec.sampling import (SamplingConfig, gather_probs, mask_unproposed,
+                              nonfinite_logits, speculative_verdict, standardize)
+
+VERIFICATIONS = ('token', 'block')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +43,32 @@ class SpeculativeConfig:
   # Lenience l in (0, 1] (paper A.5). 1 is exact; l < 1 CHANGES THE OUTPUT: it accepts
   # more drafts (for sampling, p/(l q); for argmax, p(x) >= l max p).
   lenience: float = 1.0
+  # 'token': Algorithm 1, drafts judged one by one up to the first rejection. 'block':
+  # block verification (Sun et al. 2025, jaxspec/block_verification.py), the drafts
+  # judged jointly; also exact, never fewer accepted drafts in expectation.
+  verification: str = 'token'
+  # Adaptive gamma: a row stops drafting after the first draft whose confidence (the
+  # largest probability of q; at temperature 0 of the draft's softmax, see
+  # drafter.draft_confidence) is below this threshold. That draft is still proposed,
+  # so rows draft 1..gamma tokens, gamma the static maximum; T5 drafters skip the
+  # steps after every row stopped. 0 always drafts gamma. Exact for any threshold:
+  # drafts a row did not propose are never accepted.
+  draft_confidence_threshold: float = 0.0
 
   def __post_init__(self):
     if self.gamma < 1:
       raise ValueError(f'gamma must be >= 1, got {self.gamma}')
     if not 0.0 < self.lenience <= 1.0:
       raise ValueError(f'lenience must be in (0, 1] (1 is exact), got {self.lenience}')
+    if self.verification not in VERIFICATIONS:
+      raise ValueError(f'verification must be one of {VERIFICATIONS}, '
+                       f'got {self.verification!r}')
+    if self.verification == 'block' and self.lenience != 1.0:
+      raise ValueError(f'block verification is exact only; lenience {self.lenience} needs '
+                       "verification='token'")
+    if not 0.0 <= self.draft_confidence_threshold <= 1.0:
+      raise ValueError('draft_confidence_threshold must be in [0, 1] (0 always drafts '
+                       f'gamma), got {self.draft_confidence_threshold}')
 
 
 @flax.struct.dataclass
@@ -58,6 +81,9 @@ class SpeculativeStats:
   num_accepted_counts: jax.Array  # [g+1] iterations that accepted n = 0..g drafts
   overlap_sum: jax.Array  # [] sum over verified positions of sum_x min(p, q)
   verified_positions: jax.Array  # [] number of verified drafted positions
+  # [g+1] iterations in which a row proposed k = 0..g drafts (always g unless
+  # draft_confidence_threshold > 0); sum_k k * counts[k] drafts were proposed.
+  num_drafted_counts: jax.Array
 
   @property
   def alpha(self):
@@ -69,9 +95,27 @@ class SpeculativeStats:
 
 
 @flax.struct.dataclass
+class SpeculativeTrace:
+  """What every iteration did, per row (speculative_generate(..., record_trace=True)).
+
+  Iteration 0 is the first-token step (no drafts, its token in next_token); iteration
+  t >= 1 is the t-th loop iteration. Arrays are [b, L] or [b, L, g], L the
+  max_decode_length (the most iterations a row can take part in), zero where a row was
+  done or the loop had stopped. The committed tokens of row b are, over t,
+  (drafts[b, t, :num_accepted[b, t]] + [next_token[b, t]])[:committed[b, t]].
+  """
+  drafts: jax.Array  # [b, L, g] int32, the proposal (only the first num_drafts count)
+  num_drafts: jax.Array  # [b, L] int32, drafts the row proposed (0 at iteration 0)
+  num_accepted: jax.Array  # [b, L] int32, drafts accepted
+  next_token: jax.Array  # [b, L] int32, the correction after a rejection, else the bonus
+  committed: jax.Array  # [b, L] int32, tokens written (cut at EOS / the length limit)
+
+
+@flax.struct.dataclass
 class SpeculativeOutput:
   output: common.DecodeOutput
   stats: SpeculativeStats
+  trace: SpeculativeTrace | None = None  # With record_trace=True.
 
 
 @flax.struct.dataclass
@@ -86,6 +130,7 @@ class _LoopState:
   iteration: jax.Array  # []
   stats: SpeculativeStats
   nonfinite: jax.Array  # [b] bool, the row met non-finite logits and was stopped
+  trace: SpeculativeTrace | None  # None unless record_trace
 
 
 def _log_prob_of(probs, tokens, sampling: SamplingConfig):
@@ -93,6 +138,50 @@ def _log_prob_of(probs, tokens, sampling: SamplingConfig):
   if sampling.is_greedy:
     return jnp.zeros(tokens.shape, jnp.float32)
   return jnp.log(jnp.maximum(gather_probs(probs, tokens), 1e-38))
+
+
+def _num_drafts(confidence, threshold: float):
+  """confidence [b, g] -> [b] drafts each row proposes: up to and including the first
+  whose confidence is below threshold."""
+  gamma = confidence.shape[1]
+  unsure = confidence < threshold  # [b, g]
+  first_unsure = jnp.where(jnp.any(unsure, axis=1), jnp.argmax(unsure, axis=1), gamma)
+  return jnp.minimum(first_unsure + 1, gamma).astype(jnp.int32)
+
+
+def _verdict(keys, drafts, draft_probs, target_logits, target_probs, num_drafts, *,
+             spec: SpeculativeConfig, sampling: SamplingConfig):
+  """The accept step of every row: keys [b], drafts [b, g], q [b, g, v], logits and p
+  [b, g+1, v], num_drafts [b] or None -> Verdict with [b] / [b, g] fields."""
+  if spec.verification == 'block':
+    return jax.vmap(lambda k, d, q, p, n: jax.tree_util.tree_map(
+        lambda x: x[0], block_verification.block_verdict(
+            k, d[None], q[None], p[None], None if n is None else n[None])),
+        in_axes=(0, 0, 0, 0, None if num_drafts is None else 0))(
+            keys, drafts, draft_probs, target_probs, num_drafts)
+  raw_target_probs = None
+  if sampling.is_greedy and spec.lenience < 1.0:
+    raw_target_probs = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
+  return jax.vmap(
+      lambda k, d, q, p, r, n: jax.tree_util.tree_map(
+          lambda x: x[0], speculative_verdict(
+              k, d[None], q[None], p[None], spec.lenience, None if r is None else r[None],
+              None if n is None else n[None])),
+      in_axes=(0, 0, 0, 0, None if raw_target_probs is None else 0,
+               None if num_drafts is None else 0))(
+          keys, drafts, draft_probs, target_probs, raw_target_probs, num_drafts)
+
+
+def _record(trace: SpeculativeTrace, iteration, drafts, num_drafts, num_accepted, next_token,
+            committed):
+  """Writes one iteration's [b] / [b, g] values at column `iteration` of the trace."""
+  def put(buffer, values):
+    return buffer.at[:, iteration].set(values, mode='drop')
+  return trace.replace(drafts=put(trace.drafts, drafts),
+                       num_drafts=put(trace.num_drafts, num_drafts),
+                       num_accepted=put(trace.num_accepted, num_accepted),
+                       next_token=put(trace.next_token, next_token),
+                       committed=put(trace.committed, committed))
 
 
 def _nonfinite_positions(target_logits, draft_probs):
@@ -134,8 +223,16 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
 
   context = DraftContext(tokens=state.tokens, length=state.length,
                          encoder_tokens=encoder_tokens)
-  drafts, draft_probs, drafter_state = drafter.propose(
-      drafter_params, state.drafter_state, context, gamma, sampling, draft_keys)
+  num_drafts = None  # [b] with adaptive gamma: each row's own drafts.
+  if spec.draft_confidence_threshold > 0.0:
+    drafts, draft_probs, confidence, drafter_state = propose_with_confidence(
+        drafter, drafter_params, state.drafter_state, context, gamma, sampling, draft_keys,
+        spec.draft_confidence_threshold)
+    num_drafts = _num_drafts(confidence, spec.draft_confidence_threshold)
+  else:
+    drafts, draft_probs, drafter_state = drafter.propose(
+        drafter_params, state.drafter_state, context, gamma, sampling, draft_keys)
+  drafted = jnp.full(drafts.shape[:1], gamma, jnp.int32) if num_drafts is None else num_drafts
 
   # Verify: x_length (the last committed token) and the drafts, at the row's offset.
   last_token = context.last_two_inputs()[:, 1:]  # [b, 1]
@@ -144,21 +241,14 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
   logits, target_cache = model.apply(target_params, verify_tokens, target_cache,
                                      method=T5.decode)  # [b, g+1, v]
   target_probs = standardize(logits, sampling)
-  raw_target_probs = None
-  if sampling.is_greedy and spec.lenience < 1.0:
-    raw_target_probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-
-  verdict = jax.vmap(
-      lambda k, d, q, p, r: jax.tree_util.tree_map(
-          lambda x: x[0], speculative_verdict(k, d[None], q[None], p[None], spec.lenience,
-                                              None if r is None else r[None])),
-      in_axes=(0, 0, 0, 0, None if raw_target_probs is None else 0))(
-          verdict_keys, drafts, draft_probs, target_probs, raw_target_probs)
+  verdict = _verdict(verdict_keys, drafts, draft_probs, logits, target_probs, num_drafts,
+                     spec=spec, sampling=sampling)
   n = verdict.num_accepted  # [b]
   # The verdict used p and q at positions 0..n, and a NaN there passes the accept test
   # (u >= NaN is False). A row keeps the tokens judged before its first non-finite
-  # position and stops there, as the baseline would; the wrapper reports it.
-  invalid = _nonfinite_positions(logits, draft_probs) & (
+  # position and stops there, as the baseline would; the wrapper reports it. (Block
+  # verification never keeps a prefix through a NaN p: its weights turn NaN there.)
+  invalid = _nonfinite_positions(logits, mask_unproposed(draft_probs, num_drafts)) & (
       jnp.arange(gamma + 1)[None, :] <= n[:, None])  # [b, g+1]
   broken = ~state.done & jnp.any(invalid, axis=1)  # [b]
   kept = jnp.where(broken, jnp.argmax(invalid, axis=1), n + 1)  # [b]
@@ -175,7 +265,8 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
 
   stats = state.stats
   positions = jnp.arange(gamma)[None, :]
-  verified = (positions <= n[:, None]) & active[:, None]  # [b, g] accept test was run
+  verified = ((positions <= n[:, None]) & (positions < drafted[:, None])
+              & active[:, None])  # [b, g] the accept test was run on a proposed draft
   accepted = (positions < n[:, None]) & active[:, None]
   stats = stats.replace(
       target_calls=stats.target_calls + 1,
@@ -185,11 +276,18 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
       num_accepted_counts=stats.num_accepted_counts + jnp.sum(
           jax.nn.one_hot(n, gamma + 1, dtype=jnp.int32) * active[:, None], axis=0),
       overlap_sum=stats.overlap_sum + jnp.sum(jnp.where(verified, verdict.overlap, 0.0)),
-      verified_positions=stats.verified_positions + jnp.sum(verified))
+      verified_positions=stats.verified_positions + jnp.sum(verified),
+      num_drafted_counts=stats.num_drafted_counts + jnp.sum(
+          jax.nn.one_hot(drafted, gamma + 1, dtype=jnp.int32) * active[:, None], axis=0))
+  trace = state.trace
+  if trace is not None:
+    trace = _record(trace, state.iteration, drafts, jnp.where(state.done, 0, drafted),
+                    jnp.where(state.done, 0, jnp.minimum(n, kept)),
+                    jnp.where(state.done, 0, verdict.next_token), length - state.length)
   return state.replace(tokens=tokens, token_log_probs=log_probs, length=length,
                        done=done | broken, target_cache=target_cache,
                        drafter_state=drafter_state, iteration=state.iteration + 1,
-                       stats=stats, nonfinite=state.nonfinite | broken)
+                       stats=stats, nonfinite=state.nonfinite | broken, trace=trace)
 
 
 def check_compatible(target_config: T5Config, drafter: Drafter):
@@ -226,8 +324,20 @@ def _first_token(target_params, encoder_tokens, row_keys, *, target_config, cach
       row_target_calls=jnp.ones((batch,), jnp.int32),
       accepted_per_position=jnp.zeros((gamma,), jnp.int32),
       num_accepted_counts=jnp.zeros((gamma + 1,), jnp.int32),
-      overlap_sum=jnp.zeros((), jnp.float32), verified_positions=jnp.zeros((), jnp.int32))
+      overlap_sum=jnp.zeros((), jnp.float32), verified_positions=jnp.zeros((), jnp.int32),
+      num_drafted_counts=jnp.zeros((gamma + 1,), jnp.int32))
   return tokens, log_probs, done, cache, stats, broken, encoded
+
+
+def _initial_trace(tokens, length, gamma: int) -> SpeculativeTrace:
+  """The trace with iteration 0 filled in from the first-token step's tokens [b, L] and
+  committed count length [b] (0 for a row stopped by non-finite logits)."""
+  batch, max_decode_length = tokens.shape
+  zeros = jnp.zeros((batch, max_decode_length), jnp.int32)
+  return SpeculativeTrace(
+      drafts=jnp.zeros((batch, max_decode_length, gamma), jnp.int32), num_drafts=zeros,
+      num_accepted=zeros, next_token=zeros.at[:, 0].set(tokens[:, 0]),
+      committed=zeros.at[:, 0].set(length))
 
 
 def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None, *,
@@ -235,7 +345,8 @@ def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None
                          spec: SpeculativeConfig, max_decode_length: int,
                          sampling: SamplingConfig = SamplingConfig(),
                          eos_id: int = EOS_ID,
-                         on_nonfinite: str = 'raise') -> SpeculativeOutput:
+                         on_nonfinite: str = 'raise',
+                         record_trace: bool = False) -> SpeculativeOutput:
   """Decodes encoder_tokens [b, s] from the target, with the drafter proposing.
 
   The output distribution is the target's under `sampling` (token for token the
@@ -244,6 +355,8 @@ def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None
   on_nonfinite: 'raise' (FloatingPointError naming the rows), 'warn' or 'ignore' when
   a row met NaN/+inf target logits or NaN draft q (output.nonfinite_logits; the row
   stopped there).
+  record_trace: also return a SpeculativeTrace of every iteration (drafts, accepted
+  count, next token), for jaxspec.decode_view; costs [b, L, gamma] of loop state.
   """
   check_compatible(target_config, drafter)
   target_params, encoder_tokens, rng = validation.decoder_call(
@@ -259,17 +372,19 @@ def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None
   result = _speculative_generate(
       target_params, drafter_params, encoder_tokens, rng, target_config=target_config,
       drafter=drafter, spec=spec, max_decode_length=max_decode_length, sampling=sampling,
-      eos_id=eos_id)
+      eos_id=eos_id, record_trace=record_trace)
   validation.report_nonfinite_rows(result.output.nonfinite_logits, on_nonfinite)
   return result
 
 
 @functools.partial(jax.jit, static_argnames=(
-    'target_config', 'drafter', 'spec', 'max_decode_length', 'sampling', 'eos_id'))
+    'target_config', 'drafter', 'spec', 'max_decode_length', 'sampling', 'eos_id',
+    'record_trace'))
 def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
                           target_config: T5Config, drafter: Drafter,
                           spec: SpeculativeConfig, max_decode_length: int,
-                          sampling: SamplingConfig, eos_id: int) -> SpeculativeOutput:
+                          sampling: SamplingConfig, eos_id: int,
+                          record_trace: bool = False) -> SpeculativeOutput:
   batch = encoder_tokens.shape[0]
   row_keys = common.row_keys(rng, batch)
   # Room for a full verify window even from the last position; writes past it drop.
@@ -284,7 +399,9 @@ def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
       drafter_state=init_drafter_state(drafter, drafter_params, encoder_tokens, encoded,
                                        cache_length),
       row_keys=row_keys, iteration=jnp.ones((), jnp.int32), stats=stats,
-      nonfinite=nonfinite)
+      nonfinite=nonfinite,
+      trace=_initial_trace(tokens, jnp.where(nonfinite, 0, 1), spec.gamma) if record_trace
+      else None)
   body = functools.partial(
       _iteration, target_params=target_params, drafter_params=drafter_params,
       encoder_tokens=encoder_tokens, target_config=target_config, drafter=drafter,
@@ -292,4 +409,4 @@ def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
   final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, initial)
   output = common.DecodeOutput.from_tokens(final.tokens, final.token_log_probs, eos_id,
                                            final.nonfinite)
-  return SpeculativeOutput(output=output, stats=final.stats)
+  return SpeculativeOutput(output=output, stats=final.stats, trace=final.trace)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import T5Config
-from jaxspec.decoding.drafter import DraftContext, draw_tokens
+from jaxspec.decoding.drafter import DraftContext, draft_confidence, draw_tokens
 from jaxspec.model import T5, DecoderCache, rollback
 from jaxspec.model.sharding import DRAFT
 from jaxspec.sampling import SamplingConfig, standardize
@@ -40,6 +40,52 @@ class T5Drafter:
     decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
                                                method=T5.decode)
     return propose_from_decoder(decode, state, context, gamma, sampling, keys)
+
+  def propose_with_confidence(self, params, state, context: DraftContext, gamma: int,
+                              sampling: SamplingConfig, keys, stop_below: float):
+    """propose, plus the confidence of each draft; the draft steps stop once every row
+    has drafted a token whose confidence is below stop_below (adaptive gamma)."""
+    model = T5(self.config, role=DRAFT)
+    decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
+                                               method=T5.decode)
+    return propose_until_unsure(decode, state, context, gamma, sampling, keys, stop_below)
+
+
+def propose_until_unsure(decode, cache: DecoderCache, context: DraftContext, gamma: int,
+                         sampling: SamplingConfig, keys, stop_below: float):
+  """As propose_from_decoder, with the steps in a while loop that ends once every row has
+  drafted a token with draft_confidence below stop_below: -> tokens [b, gamma], q [b,
+  gamma, v], confidence [b, gamma], cache. Positions not drafted are 0 in all three.
+  The keys are propose_from_decoder's, so the drafts up to each row's stop are its drafts.
+  """
+  cache = rollback(cache, context.length - 1)
+  logits, cache = decode(context.last_two_inputs(), cache)
+  step_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(keys)  # [b, gamma]
+  probs = standardize(logits[:, -1], sampling)  # [b, v]
+  token = draw_tokens(step_keys[:, 0], probs, sampling)
+  confidence = draft_confidence(logits[:, -1], probs, sampling)  # [b]
+  batch, vocab = probs.shape
+  tokens = jnp.zeros((batch, gamma), jnp.int32).at[:, 0].set(token)
+  all_probs = jnp.zeros((batch, gamma, vocab), jnp.float32).at[:, 0].set(probs)
+  confidences = jnp.zeros((batch, gamma), jnp.float32).at[:, 0].set(confidence)
+
+  def unfinished(carry):
+    i, _, _, _, _, unsure = carry
+    return (i < gamma) & ~jnp.all(unsure)
+
+  def step(carry):
+    i, cache, tokens, all_probs, confidences, unsure = carry
+    logits, cache = decode(tokens[:, i - 1][:, None], cache)  # [b, 1, v]
+    probs = standardize(logits[:, 0], sampling)
+    token = draw_tokens(step_keys[:, i], probs, sampling)
+    confidence = draft_confidence(logits[:, 0], probs, sampling)
+    return (i + 1, cache, tokens.at[:, i].set(token), all_probs.at[:, i].set(probs),
+            confidences.at[:, i].set(confidence), unsure | (confidence < stop_below))
+
+  _, cache, tokens, all_probs, confidences, _ = jax.lax.while_loop(
+      unfinished, step, (jnp.int32(1), cache, tokens, all_probs, confidences,
+                         confidence < stop_below))
+  return tokens, all_probs, confidences, cache
 
 
 def propose_from_decoder(decode, cache: DecoderCache, context: DraftContext, gamma: int,
