@@ -34,6 +34,8 @@ import jax.numpy as jnp
 from jaxspec.config import EOS_ID, T5Config, get_config
 from jaxspec.decoding import common
 from jaxspec.decoding.baseline import DecodingState, temperature_sample
+from jaxspec.decoding.beam_search import BeamConfig, NEG_INF_VALUE, beam_search
+from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
 from jaxspec.decoding.drafter import Drafter
 from jaxspec.decoding.speculative import (SpeculativeConfig, check_compatible,
                                           speculative_generate)
@@ -42,7 +44,8 @@ from jaxspec.sampling import SamplingConfig
 
 __all__ = ['DecodingState', 'as_drafter', 'draft_variables', 'make_speculative_model_class',
            'sampling_config_from_t5x', 'speculative_predict',
-           't5config_from_t5x_network_config', 'temperature_sample']
+           't5config_from_t5x_network_config', 'temperature_sample', 'beam_search',
+           'speculative_beam_predict']
 
 # Fields of T5X's examples network.T5Config (t5x/examples/t5/network.py) that fix the
 # architecture; dropout_rate and float32_attention_logits do not change inference
@@ -198,6 +201,43 @@ def _decode_settings(decoder_params, rng, default_sampling: SamplingConfig,
   return sampling, eos_id, rng if rng is not None else params.get('decode_rng'), max_steps
 
 
+# decoder_params the speculative beam route understands (T5X's beam_search names).
+SUPPORTED_BEAM_DECODER_PARAMS = ('alpha', 'max_decode_step', 'min_log_prob', 'eos_id',
+                                 'decode_rng')
+
+
+def speculative_beam_predict(variables, encoder_tokens, decode_length: int, *,
+                             target_config: T5Config, drafter: Drafter, drafter_params,
+                             gamma: int, draft_beams: int, alpha: float, num_decodes: int,
+                             decoder_params=None, eos_id: int = EOS_ID):
+  """Speculative beam search in T5X's layout: (decodes [b, beams, L], scores [b, beams]).
+
+  num_decodes is the beam width, as for T5X's beam_search; decoder_params may set
+  alpha, max_decode_step, min_log_prob, eos_id (decode_rng is unused, as in T5X).
+  The output is jaxspec's beam_search's, best last.
+  """
+  params = dict(decoder_params or {})
+  unknown = sorted(set(params) - set(SUPPORTED_BEAM_DECODER_PARAMS))
+  if unknown:
+    raise ValueError(f'decoder_params {unknown} are not supported by speculative beam '
+                     f'search; supported: {list(SUPPORTED_BEAM_DECODER_PARAMS)}')
+  if not isinstance(drafter, T5Drafter):
+    raise ValueError('speculative beam search drafts by beam search with a T5 draft model; '
+                     f'got {type(drafter).__name__}')
+  beam = BeamConfig(
+      num_beams=int(num_decodes), alpha=_python_number('alpha', params.get('alpha', alpha), float),
+      max_decode_step=_python_number('max_decode_step', params.get('max_decode_step', -1), int),
+      min_log_prob=_python_number('min_log_prob', params.get('min_log_prob', NEG_INF_VALUE),
+                                  float))
+  result = speculative_beam_generate(
+      variables, drafter_params, encoder_tokens, target_config=target_config,
+      draft_config=drafter.config, beam=beam,
+      spec=SpeculativeBeamConfig(gamma=gamma, draft_beams=draft_beams),
+      max_decode_length=decode_length,
+      eos_id=_python_number('eos_id', params.get('eos_id', eos_id), int))
+  return result.output.tokens, result.output.scores
+
+
 def _model_class(base: type) -> type:
   """SpeculativeEncoderDecoderModel as a subclass of `base` (t5x's EncoderDecoderModel)."""
 
@@ -213,13 +253,17 @@ def _model_class(base: type) -> type:
       temperature, topk, topp: default sampling (T5X's names), overridden per call by
         decoder_params; the default is argmax.
       target_config: a jaxspec T5Config for the target; default: from module.config.
+      decoder: 'sample' (default: speculative sampling, argmax by default) or 'beam'
+        (speculative beam search equal to jaxspec's beam_search: num_decodes beams, the
+        draft's beam width draft_beams (0: twice num_decodes), brevity penalty alpha).
     Training, scoring and evaluation are T5X's, unchanged.
     """
 
     def __init__(self, module, input_vocabulary, output_vocabulary, optimizer_def, *,
                  draft, draft_params, gamma: int = 4, lenience: float = 1.0,
                  temperature: float = 0.0, topk: int = 0, topp: float = 0.0,
-                 target_config: T5Config | None = None, **kwargs):
+                 target_config: T5Config | None = None, decoder: str = 'sample',
+                 alpha: float = 0.6, draft_beams: int = 0, **kwargs):
       super().__init__(module=module, input_vocabulary=input_vocabulary,
                        output_vocabulary=output_vocabulary, optimizer_def=optimizer_def,
                        **kwargs)
@@ -229,6 +273,9 @@ def _model_class(base: type) -> type:
       self.drafter_params = draft_variables(self.drafter, draft_params)
       self.spec = SpeculativeConfig(gamma=gamma, lenience=lenience)
       self.default_sampling = sampling_config_from_t5x(temperature, topk, topp)
+      if decoder not in ('sample', 'beam'):
+        raise ValueError(f"decoder must be 'sample' or 'beam', got {decoder!r}")
+      self.decoder, self.alpha, self.draft_beams = decoder, alpha, draft_beams
 
     def predict_batch_with_aux(self, params, batch, rng=None, decoder_params=None,
                                return_all_decodes=None, num_decodes=None,
@@ -248,6 +295,16 @@ def _model_class(base: type) -> type:
                                   'the start token; forced decoder prompts are unsupported')
       if flax_mutables:
         raise ValueError('flax_mutables are not supported: jaxspec\'s T5 has only params')
+      if self.decoder == 'beam':
+        decodes, scores = speculative_beam_predict(
+            {'params': params}, batch['encoder_input_tokens'],
+            batch['decoder_input_tokens'].shape[1], target_config=self.target_config,
+            drafter=self.drafter, drafter_params=self.drafter_params, gamma=self.spec.gamma,
+            draft_beams=self.draft_beams, alpha=self.alpha, num_decodes=int(num_decodes),
+            decoder_params=decoder_params, eos_id=self.output_vocabulary.eos_id or 1)
+        if return_all_decodes:
+          return decodes, {'scores': scores}
+        return decodes[:, -1], {'scores': scores[:, -1]}
       sampling, eos_id, decode_rng, max_steps = _decode_settings(
           decoder_params, rng, self.default_sampling, self.output_vocabulary.eos_id)
       decodes, scores = speculative_predict(

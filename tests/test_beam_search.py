@@ -101,7 +101,7 @@ def test_cache_expanded_by_beam_except_scalars_and_shared_bias():
   def tokens_to_logits(state):
     seen.append(jax.tree_util.tree_map(jnp.shape, state.cache))
     # The cache row remembers the row it came from: the beams of row b keep b.
-    rows = state.cache["decoder"]["cached_key"][:, 0].astype(jnp.int32)
+    rows = state.cache['decoder']['cached_key'][:, 0].astype(jnp.int32)
     logits = jax.nn.one_hot((rows + 2) % vocab, vocab) * 5.0
     return logits, state.cache
 
