@@ -9,6 +9,9 @@ Used by scripts/benchmark.py; nothing here parses gin or writes files.
   loop lengths (so launch and compile costs cancel out).
 - `time_side_by_side`: several decoders over the same inputs, interleaved example by
   example, repeated; each repetition's total.
+- `compare_verification_options`: tokens per target call, alpha and drafts accepted /
+  proposed per iteration for plain, block and adaptive-gamma speculative decoding over
+  the same inputs and keys.
 - `t5x_style_generate`: a reference decoder as T5X runs T5, one token per step with
   the cross-attention keys and values projected from the encoder output at every step.
 
@@ -32,6 +35,7 @@ import numpy as np
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import baseline, common
 from jaxspec.decoding.drafter import DraftContext, Drafter
+from jaxspec.decoding.speculative import SpeculativeConfig
 from jaxspec.decoding.t5_drafter import T5Drafter
 from jaxspec.model import T5, rollback
 from jaxspec.sampling import SamplingConfig, acceptance_rate, standardize
@@ -343,3 +347,49 @@ def _t5x_style_generate(params, encoder_tokens, rng, *, config, max_decode_lengt
       eos_id, decode_rng=common.row_keys(rng, batch), temperature=sampling.temperature,
       topk=sampling.top_k, topp=sampling.top_p if sampling.top_p < 1.0 else 0.0)  # [b, 1, L]
   return decodes[:, 0]
+
+
+# ---------------------------------------------------------------------------
+# Verification options side by side: tokens per target call.
+
+
+def verification_option_specs(gamma: int, confidence_threshold: float) -> dict:
+  """{name: SpeculativeConfig}: plain (token-wise), block verification, adaptive gamma
+  (gamma the maximum, rows stop below the threshold) and both."""
+  return {
+      'plain': SpeculativeConfig(gamma),
+      'block': SpeculativeConfig(gamma, verification='block'),
+      'adaptive': SpeculativeConfig(gamma, draft_confidence_threshold=confidence_threshold),
+      'block + adaptive': SpeculativeConfig(gamma, verification='block',
+                                            draft_confidence_threshold=confidence_threshold),
+  }
+
+
+def option_row(name: str, spec: SpeculativeConfig, outputs: Sequence[Any]) -> dict:
+  """One row of the side-by-side table from the SpeculativeOutputs of one option over
+  the same inputs and keys: tokens per target call, alpha, mean drafts accepted and
+  proposed per iteration."""
+  tokens = sum(int(np.sum(np.asarray(o.output.lengths))) for o in outputs)
+  calls = sum(int(np.sum(np.asarray(o.stats.row_target_calls))) for o in outputs)
+  accepted = sum(np.asarray(o.stats.num_accepted_counts, np.int64) for o in outputs)
+  drafted = sum(np.asarray(o.stats.num_drafted_counts, np.int64) for o in outputs)
+  overlap = sum(float(o.stats.overlap_sum) for o in outputs)
+  verified = sum(int(o.stats.verified_positions) for o in outputs)
+  iterations = max(int(accepted.sum()), 1)
+  counts = np.arange(len(accepted))
+  return {'option': name, 'verification': spec.verification, 'gamma': spec.gamma,
+          'draft_confidence_threshold': spec.draft_confidence_threshold,
+          'tokens_per_target_call': tokens / max(calls, 1),
+          'alpha': overlap / max(verified, 1),
+          'accepted_per_iteration': float(accepted @ counts) / iterations,
+          'drafted_per_iteration': float(drafted @ counts) / iterations,
+          'tokens': tokens, 'target_calls': calls}
+
+
+def compare_verification_options(decode: Callable[[SpeculativeConfig, int], Any],
+                                 specs: Mapping[str, SpeculativeConfig],
+                                 num_items: int) -> list[dict]:
+  """decode(spec, i) -> the SpeculativeOutput of item i under spec (same inputs and keys
+  for every spec); -> one option_row per spec, in order."""
+  return [option_row(name, spec, [decode(spec, i) for i in range(num_items)])
+          for name, spec in specs.items()]

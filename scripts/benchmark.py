@@ -18,6 +18,8 @@ For one task, target and set of drafts it measures, in this order:
   batch      tokens/s of baseline and speculative at batch sizes 1, 4, 16 (PNG).
   reference  the baseline against a T5X-style decode loop (cross-attention K/V
              projected at every step) on the same model.
+  options    tokens per target call of plain (token-wise), block and adaptive-gamma
+             verification side by side, same examples and keys (no timing).
 Writes <output_dir>/results.json, results.md and *.png, and prints the markdown.
 """
 
@@ -48,7 +50,7 @@ from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.sampling import SamplingConfig
 
 DEFAULT_GIN_FILES = ('configs/benchmark/ende_local.gin', 'configs/benchmark/docsum_local.gin')
-SECTIONS = ('alpha', 'costs', 'table2', 'sweep', 'batch', 'reference')
+SECTIONS = ('alpha', 'costs', 'table2', 'sweep', 'batch', 'reference', 'options')
 # Drafters without weights, fitted on the task's training split (n-grams) or none.
 OTHER_DRAFTERS = {'unigram': UnigramDrafter, 'bigram': BigramDrafter,
                   'prompt lookup': PromptLookupDrafter}
@@ -97,11 +99,12 @@ class Setup:
                     config=self.target_model, max_decode_length=self.max_decode_length,
                     sampling=sampling)
 
-  def speculative(self, rows, sampling, drafter_name, gamma, lenience=1.0):
+  def speculative(self, rows, sampling, drafter_name, gamma, lenience=1.0, spec=None):
+    """spec (a SpeculativeConfig) replaces gamma and lenience when given."""
     return speculative_generate(
         self.target_params, self.drafter_params[drafter_name], self.inputs[rows],
         self.keys(rows), target_config=self.target_model,
-        drafter=self.drafters[drafter_name], spec=SpeculativeConfig(gamma, lenience),
+        drafter=self.drafters[drafter_name], spec=spec or SpeculativeConfig(gamma, lenience),
         max_decode_length=self.max_decode_length, sampling=sampling)
 
 
@@ -288,6 +291,22 @@ def reference_section(setup: Setup, temperatures, num_examples, repeats) -> list
 # Output.
 
 
+def options_section(setup: Setup, drafter_name, gamma, confidence_threshold, temperatures,
+                    num_examples) -> list[dict]:
+  """Tokens per target call of plain, block and adaptive-gamma speculative decoding,
+  side by side on the same examples and keys (batch 1, no timing)."""
+  rows = []
+  specs = measure.verification_option_specs(gamma, confidence_threshold)
+  for temperature in temperatures:
+    sampling = SamplingConfig(temperature=temperature)
+    decode = lambda spec, i: setup.speculative([i], sampling, drafter_name, gamma,  # noqa: E731
+                                               spec=spec)
+    for row in measure.compare_verification_options(decode, specs, num_examples):
+      rows.append({'task': setup.task, 'drafter': drafter_name, 'temperature': temperature,
+                   **row})
+  return rows
+
+
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
   def fmt(value):
     if isinstance(value, float):
@@ -346,6 +365,15 @@ def results_markdown(results: dict) -> str:
     parts += ['\n### Baseline against a T5X-style decode loop (cross-attention K/V per step)\n',
               markdown_table(results['reference'], [
                   'temperature', 'baseline_speedup', 'identical_outputs', 'examples'])]
+  if 'options' in results:
+    parts += ['\n### Verification options: tokens per target call, same examples and keys\n',
+              'plain: token-wise (Algorithm 1); block: block verification; adaptive: rows '
+              'stop drafting below the draft confidence threshold (gamma the maximum). All '
+              'are exact.\n\n',
+              markdown_table(results['options'], [
+                  'drafter', 'temperature', 'option', 'gamma', 'draft_confidence_threshold',
+                  'tokens_per_target_call', 'accepted_per_iteration',
+                  'drafted_per_iteration', 'alpha'])]
   return ''.join(parts)
 
 
@@ -405,12 +433,16 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
               step_repeats: int = 5, sweep_drafter: str | None = None,
               sweep_examples: int = 40, batch_sizes=(1, 4, 16),
               batch_examples: int = 64, reference_examples: int = 50,
+              options_gamma: int = 4, options_confidence_threshold: float = 0.5,
+              options_temperatures=(0.0, 1.0), options_examples: int = 100,
               sections=SECTIONS) -> dict:
   """Runs the sections and writes results.json, results.md and plots to output_dir.
 
   alpha_splits: the held-out splits whose inputs the target decodes for alpha, in order,
   until alpha_tokens positions (a small test split can be followed by validation; never
   train, which the drafts and n-gram tables were fitted on).
+  options_*: the 'options' section (tokens per target call of plain / block / adaptive
+  verification for the sweep drafter, on the first options_examples test examples).
   """
   if 'train' in alpha_splits:
     raise ValueError('alpha_splits must be held out: the drafters were fitted on train')
@@ -448,6 +480,10 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
                                      repeats)
   if 'reference' in sections:
     results['reference'] = reference_section(setup, temperatures, reference_examples, repeats)
+  if 'options' in sections:
+    results['options'] = options_section(setup, sweep_drafter, options_gamma,
+                                         options_confidence_threshold, options_temperatures,
+                                         options_examples)
   inference.write_text_atomic(os.path.join(output_dir, 'results.json'),
                               json.dumps(results, indent=2, default=str))
   markdown = results_markdown(results)

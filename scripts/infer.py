@@ -41,7 +41,7 @@ from jax.experimental import multihost_utils
 
 import gin_flags  # scripts/gin_flags.py
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
-from jaxspec import inference, metrics, validation
+from jaxspec import decode_view, inference, metrics, validation
 from jaxspec import partitioning as partitioning_lib
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
@@ -371,7 +371,7 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
           tfds_data_dir: str | None = None,
           partitioning: partitioning_lib.PartitioningConfig | None = None,
           on_settings_change: str = 'error', input_file: str | None = None,
-          input_field: str | None = None) -> dict:
+          input_field: str | None = None, view_examples: int = 0) -> dict:
   """Runs the decoders over the split (or input_file) and returns the summary.
 
   overlong_inputs: 'truncate' (as seqio, with a logged warning counting them) or
@@ -389,6 +389,9 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   input_file: decode your own text instead of a split: one input a line, or JSON lines
   with input_field ('-' reads stdin), with `corpus`'s task prefix; records go to
   <output_dir>/inputs-<hash of the file>/ and one JSON line per input to stdout.
+  view_examples: for the first N examples, a view of the speculative decode (every
+  iteration's drafts marked accepted / rejected / corrected / bonus) printed to stderr
+  with colours and written as <output_dir>/views/example_<i>.html.
   """
   check_settings(
       target_model=target_model, drafter=drafter, decoders=decoders, batch_size=batch_size,
@@ -397,6 +400,7 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
       seed=seed, overlong_inputs=overlong_inputs, on_settings_change=on_settings_change,
       corpus=corpus, split=split, seqio_task=seqio_task, input_file=input_file,
       input_field=input_field)
+  validation.check_integer('view_examples', view_examples, 0)
   # Multi-host initialization must come before anything touches a device.
   partitioner = partitioning_lib.create_partitioner(partitioning) if partitioning else None
   check_memory(target_model, drafter, decoders, batch_size, input_length, max_decode_length,
@@ -422,7 +426,7 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
         draft_name=draft_name, draft_checkpoint=draft_checkpoint,
         max_decode_length=max_decode_length, batch_size=batch_size, sampling=sampling,
         speculative=speculative, decoders=decoders, seed=seed, partitioner=partitioner,
-        own_text=input_file is not None)
+        own_text=input_file is not None, view_examples=view_examples)
   finally:
     if lock is not None:
       lock.release()
@@ -431,7 +435,7 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
 def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model,
                           target_checkpoint, drafter, draft_name, draft_checkpoint,
                           max_decode_length, batch_size, sampling, speculative, decoders,
-                          seed, partitioner, own_text) -> dict:
+                          seed, partitioner, own_text, view_examples=0) -> dict:
   """Loads the models, decodes what output_dir lacks and writes the summary."""
   examples, vocab = task.examples, task.vocab
   target_params = (partitioner.load_params(target_checkpoint, target_model) if partitioner
@@ -477,6 +481,13 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   for position, name in enumerate(decoders):
     _run_decoder(name, decode_fns[name], batches, examples, vocab, writers[name], position,
                  fingerprint)
+  if view_examples and 'speculative' in decoders:
+    traced = lambda idx: speculative_generate(  # noqa: E731
+        target_params, params, *pad_batch(idx), target_config=target_model,
+        drafter=drafter, spec=speculative, max_decode_length=max_decode_length,
+        sampling=sampling, record_trace=True)
+    write_views(traced, examples[:view_examples], vocab, output_dir,
+                partitioner is None or partitioner.is_output_process)
   if partitioner and not partitioner.is_output_process:
     return {}
   summary = summarize(task.name, task.metric, draft_name, sampling, speculative, writers,
@@ -497,6 +508,20 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   else:
     print(summary_markdown(summary))
   return summary
+
+
+def write_views(traced_decode, examples, vocab, output_dir, write: bool = True):
+  """Decodes each example alone with a trace; prints its view to stderr and writes
+  <output_dir>/views/example_<i>.html (only where `write`)."""
+  for index, example in enumerate(examples):
+    result = jax.device_get(traced_decode([index]))
+    terminal, page = decode_view.render_row(
+        result.trace, 0, vocab.decode, title=f'example {index}', input_text=example['inputs'],
+        eos_id=EOS_ID)
+    if write:
+      path = os.path.join(output_dir, 'views', f'example_{index}.html')
+      inference.write_text_atomic(path, page)
+      print(f'example {index} ({path}):\n{terminal}', file=sys.stderr)
 
 
 def _add_input_flags(parser):

@@ -220,6 +220,9 @@ benchmark.sweep_examples = 2
 benchmark.batch_sizes = (1, 2)
 benchmark.batch_examples = 2
 benchmark.reference_examples = 2
+benchmark.options_gamma = 2
+benchmark.options_temperatures = (0.0,)
+benchmark.options_examples = 2
 """
 
 
@@ -258,8 +261,14 @@ def test_benchmark_script_writes_every_table(tmp_path, _unlocked_gin):
   assert all(r['identical_outputs'] == 2 for r in results['reference'])
   for row in results['table4']:
     assert np.isfinite([row['theorem_3_8_speedup'], row['verify_cost'], row['c']]).all()
+  options = {r['option']: r for r in results['options']}
+  assert list(options) == ['plain', 'block', 'adaptive', 'block + adaptive']
+  # Greedy block verification keeps token-wise verification's prefix exactly.
+  assert options['block']['tokens_per_target_call'] == options['plain']['tokens_per_target_call']
+  assert options['adaptive']['drafted_per_iteration'] <= 2.0
   markdown = (tmp_path / 'out' / 'results.md').read_text()
   assert '### Table 2' in markdown and '### Figure 3' in markdown
+  assert '### Verification options' in markdown
   assert (tmp_path / 'out' / 'figure3_gamma.png').stat().st_size > 0
   assert (tmp_path / 'out' / 'batch_size.png').stat().st_size > 0
 

@@ -406,3 +406,21 @@ def test_bad_input_files_are_named_by_file_and_line(tiny_checkpoints, content, f
   _parse(tmp_path, _infer_config(tmp_path))
   with pytest.raises(ValueError, match=message):
     infer_script.infer(input_file=str(path), input_field=field)
+
+
+def test_infer_writes_views_of_the_first_examples(tiny_checkpoints, capsys):
+  tmp_path = tiny_checkpoints
+  _parse(tmp_path, _infer_config(tmp_path),
+         ['infer.view_examples=2', "infer.decoders=('speculative',)"])
+  infer_script.infer()
+  records = {r['index']: r for r in _records(tmp_path / 'out' / 'speculative.jsonl')}
+  views = tmp_path / 'out' / 'views'
+  assert sorted(p.name for p in views.iterdir()) == ['example_0.html', 'example_1.html']
+  for index in range(2):
+    page = (views / f'example_{index}.html').read_text()
+    output = re.findall(r'class="token (?:accepted|corrected|bonus)" data-token="(\d+)"', page)
+    assert [int(t) for t in output] == records[index]['tokens']  # The decode it shows.
+  err = capsys.readouterr().err
+  assert 'example 1 (' in err and '\x1b[35;1m' in err  # Coloured: iteration 0 is a bonus.
+  with pytest.raises(ValueError, match='view_examples'):
+    infer_script.infer(view_examples=-1)
