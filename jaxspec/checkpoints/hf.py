@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxspec.checkpoints.validate import check_params, flatten_params
 from jaxspec.config import EOS_ID, PAD_ID, T5Config
+from jaxspec.model import kernel_layout
 from jaxspec.model.layers import LAYER_NORM_EPSILON
 
 # Hugging Face `feed_forward_proj` -> jaxspec `mlp_activations`. transformers maps
@@ -328,7 +329,7 @@ def hf_state_dict(params, config: T5Config) -> dict[str, np.ndarray]:
   Only `shared.weight` holds the embedding (transformers ties the encoder and decoder
   copies to it); `lm_head.weight` is written when the logits are untied.
   """
-  params = _bare_params(params)
+  params = kernel_layout.t5x_kernels(_bare_params(params))
   check_params(params, config)
   flat = flatten_params(params)
   sources = {'token_embedder/embedding': 'shared.weight', **hf_keys(config)}

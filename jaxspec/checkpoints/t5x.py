@@ -53,6 +53,7 @@ import numpy as np
 import tensorstore as ts
 
 from jaxspec.checkpoints.validate import check_params
+from jaxspec.model import kernel_layout
 from jaxspec.config import T5Config
 
 VERSION = 3
@@ -78,10 +79,11 @@ class CheckpointLocation(NamedTuple):
 
 
 def _unwrap(params: Mapping[str, Any]) -> Mapping[str, Any]:
-  """Accepts the 'params' collection or the variables {'params', 'params_axes'}."""
+  """The 'params' collection in T5X's kernel layout, from it or the variables
+  {'params', 'params_axes'}, either kernel layout (jaxspec.model.kernel_layout)."""
   if 'params' in params and set(params) <= {'params', 'params_axes'}:
-    return params['params']
-  return params
+    params = params['params']
+  return kernel_layout.t5x_kernels(params)
 
 
 def _to_numpy(tree: Mapping[str, Any], dtype=None) -> dict:

@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxspec.config import T5Config
 from jaxspec.model import abstract_params
+from jaxspec.model.layers import KERNEL, KERNEL_T
 
 
 def flatten_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -28,18 +29,29 @@ def _shape(leaf) -> tuple[int, ...]:
   return tuple(leaf.shape) if hasattr(leaf, 'shape') else np.shape(leaf)
 
 
+def _t5x_path_and_shape(path: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+  """A transposed kernel's path and shape as T5X's (kernel_t [out, in] -> kernel [in, out])."""
+  head, _, name = path.rpartition('/')
+  if name == KERNEL_T:
+    return f'{head}/{KERNEL}', shape[::-1]
+  return path, shape
+
+
 def check_params(params: Mapping[str, Any], config: T5Config,
                  sources: Mapping[str, str] | None = None) -> None:
   """Raises ValueError unless `params` has exactly the paths and shapes of `config`.
 
   `params` is the nested 'params' collection (or {'params': ...}); leaves are any
-  arrays (numpy, jax, ShapeDtypeStruct). The error names the first path, in sorted
-  order, that is missing, unexpected or of the wrong shape, with both shapes.
+  arrays (numpy, jax, ShapeDtypeStruct); kernels in either layout
+  (jaxspec.model.kernel_layout), reported by their T5X path. The error names the first
+  path, in sorted order, that is missing, unexpected or of the wrong shape, with both
+  shapes.
   `sources` optionally maps a path to where its value came from, for the message.
   """
   if set(params) == {'params'}:
     params = params['params']
-  actual = {path: _shape(leaf) for path, leaf in flatten_params(params).items()}
+  actual = dict(_t5x_path_and_shape(path, _shape(leaf))
+                for path, leaf in flatten_params(params).items())
   expected = expected_shapes(config)
   sources = sources or {}
   for path in sorted(set(actual) | set(expected)):

@@ -2,3 +2,4 @@
 
 from jaxspec.model.cache import DecoderCache, LayerCache, repeat_rows, rollback
 from jaxspec.model.t5 import T5, abstract_params, init_params
+from jaxspec.model import kernel_layout

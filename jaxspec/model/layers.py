@@ -20,6 +20,8 @@ from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_
                                     constrain)
 
 NEG_INF = -1e10  # Additive mask value, as T5X.
+KERNEL = 'kernel'  # A Dense kernel in T5X's layout [in, out].
+KERNEL_T = 'kernel_t'  # The same kernel transposed, [out, in] (jaxspec.model.kernel_layout).
 LAYER_NORM_EPSILON = 1e-6
 
 default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
@@ -39,8 +41,30 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(self.config.compute_dtype)
 
 
+# Inputs with at most this many positions per row are contracted as kernel_t @ x^T.
+FEW_POSITIONS = 16
+
+
+def dot_transposed_kernel(x, kernel_t):
+  """x [..., in] @ kernel_t [out, in]^T -> [..., out].
+
+  A decode step of a few positions ([b, t, in] with t <= FEW_POSITIONS) is contracted
+  into [b, out, t] and then swapped: for such shapes XLA:CPU picks a much faster matmul
+  than for x @ kernel (jaxspec.model.kernel_layout says why and by how much).
+  """
+  if x.ndim == 3 and x.shape[1] <= FEW_POSITIONS:
+    return jnp.swapaxes(jnp.einsum('bti,oi->bot', x, kernel_t), 1, 2)  # [b, t, out]
+  return jnp.einsum('...i,oi->...o', x, kernel_t)
+
+
 class Dense(nn.Module):
-  """A bias-free projection whose kernel is stored 2-D [in_features, out_features]."""
+  """A bias-free projection with a 2-D kernel.
+
+  The kernel is stored as T5X stores it, `kernel` [in_features, out_features], or
+  transposed as `kernel_t` [out_features, in_features] (the decode layout for XLA:CPU,
+  made by jaxspec.model.kernel_layout); the module uses whichever the params hold.
+  Initialization creates `kernel`.
+  """
   features: int
   kernel_axes: tuple[str, str]
   config: T5Config
@@ -50,9 +74,20 @@ class Dense(nn.Module):
   @nn.compact
   def __call__(self, x):  # [..., in] -> [..., out]
     dtype = self.dtype or self.config.compute_dtype
-    kernel = param_with_axes('kernel', self.kernel_init, (x.shape[-1], self.features),
-                             jnp.dtype(self.config.param_dtype), axes=self.kernel_axes)
+    param_dtype = jnp.dtype(self.config.param_dtype)
+    if self.has_variable('params', KERNEL_T):
+      kernel_t = param_with_axes(KERNEL_T, _transposed_init(self.kernel_init),
+                                 (self.features, x.shape[-1]), param_dtype,
+                                 axes=self.kernel_axes[::-1])
+      return dot_transposed_kernel(x.astype(dtype), kernel_t.astype(dtype))
+    kernel = param_with_axes(KERNEL, self.kernel_init, (x.shape[-1], self.features),
+                             param_dtype, axes=self.kernel_axes)
     return jnp.dot(x.astype(dtype), kernel.astype(dtype))
+
+
+def _transposed_init(kernel_init):
+  """An initializer of [out, in] with the statistics of kernel_init's [in, out]."""
+  return lambda rng, shape, dtype: kernel_init(rng, shape[::-1], dtype).T
 
 
 class Embed(nn.Module):

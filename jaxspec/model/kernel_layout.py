@@ -1,0 +1,115 @@
+"""Dense kernels in T5X's layout or transposed for decoding on XLA:CPU.
+
+T5X stores every projection kernel as `kernel` [in, out]. On XLA:CPU a decode step
+over a few positions (a verify step, k = 2..9) runs x [k, in] @ kernel [in, out]
+through a matmul path that costs about 2x the one-position step's, while the same
+product computed as kernel_t [out, in] @ x^T costs close to the one-position step
+(`scripts/step_costs.py` measures both; docs/design.md has the numbers). The one-position step
+costs the same in either layout, and on TPU/GPU XLA lays matmul operands out itself.
+
+The layout belongs to the params tree and names itself: a transposed kernel is stored
+under `kernel_t`, so a tree can never be read in the wrong orientation (square kernels
+included). `jaxspec.model.layers.Dense` uses whichever key the params hold, so every
+decoder and drafter accepts both trees. Checkpoint writers and exporters store T5X's
+layout (`t5x_kernels` first), and `check_params` compares in T5X's layout.
+
+  for_decoding(params)     -> transposed on CPU, unchanged elsewhere (call once, after loading)
+  transposed_kernels(tree) -> every kernel as kernel_t [out, in]
+  t5x_kernels(tree)        -> every kernel_t back to kernel [in, out]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from jaxspec.model.layers import KERNEL, KERNEL_T
+
+T5X = 't5x'  # kernel [in, out]
+TRANSPOSED = 'transposed'  # kernel_t [out, in]
+
+
+def decode_layout(platform: str | None = None) -> str:
+  """The faster layout for decoding on `platform` (default: JAX's default backend)."""
+  platform = platform or jax.default_backend()
+  return TRANSPOSED if platform == 'cpu' else T5X
+
+
+def _transpose_leaf(leaf):
+  """A 2-D leaf transposed into a new row-major array (shape-only leaves: the shape)."""
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(leaf.shape[::-1], leaf.dtype, sharding=None)
+  if isinstance(leaf, jax.Array):
+    return jax.numpy.transpose(leaf)
+  return np.ascontiguousarray(np.asarray(leaf).T)
+
+
+def _transpose_axes(metadata):
+  """params_axes leaf (flax AxisMetadata) of a kernel -> that of its transpose."""
+  return type(metadata)(names=tuple(metadata.names)[::-1])
+
+
+def _rename_kernels(tree: Any, old: str, new: str, convert) -> Any:
+  """Copies a nested mapping, replacing each `old` leaf (2-D) by convert(leaf) under `new`."""
+  if not isinstance(tree, Mapping):
+    return tree
+  renamed = {}
+  for key, value in tree.items():
+    if key == old and not isinstance(value, Mapping):
+      renamed[new] = convert(value)
+    else:
+      renamed[key] = _rename_kernels(value, old, new, convert)
+  return renamed
+
+
+def _convert(variables: Mapping[str, Any], old: str, new: str) -> dict:
+  """Converts params (bare, or variables with 'params' and optional 'params_axes')."""
+  if 'params' not in variables:
+    return _rename_kernels(variables, old, new, _transpose_leaf)
+  converted = dict(variables)
+  converted['params'] = _rename_kernels(variables['params'], old, new, _transpose_leaf)
+  if 'params_axes' in variables:
+    converted['params_axes'] = _rename_kernels(
+        variables['params_axes'], f'{old}_axes', f'{new}_axes', _transpose_axes)
+  return converted
+
+
+def transposed_kernels(params: Mapping[str, Any]) -> dict:
+  """Every `kernel` [in, out] as `kernel_t` [out, in]; other leaves as they are.
+
+  params: the 'params' collection or variables {'params', 'params_axes'?}. Kernels
+  already transposed stay so, so the call is idempotent.
+  """
+  return _convert(params, KERNEL, KERNEL_T)
+
+
+def t5x_kernels(params: Mapping[str, Any]) -> dict:
+  """Every `kernel_t` [out, in] back to T5X's `kernel` [in, out] (idempotent)."""
+  return _convert(params, KERNEL_T, KERNEL)
+
+
+def has_transposed_kernels(params: Mapping[str, Any]) -> bool:
+  """Whether any kernel of the tree is stored as `kernel_t`."""
+  found = []
+  _rename_kernels(params, KERNEL_T, KERNEL_T, lambda leaf: found.append(leaf) or leaf)
+  return bool(found)
+
+
+def to_layout(params: Mapping[str, Any], layout: str) -> dict:
+  """params in `layout`: 't5x' (kernel [in, out]) or 'transposed' (kernel_t [out, in])."""
+  if layout == T5X:
+    return t5x_kernels(params)
+  if layout == TRANSPOSED:
+    return transposed_kernels(params)
+  raise ValueError(f"kernel layout must be {T5X!r} or {TRANSPOSED!r}, got {layout!r}")
+
+
+def for_decoding(params: Mapping[str, Any], platform: str | None = None) -> dict:
+  """params in the layout that decodes fastest on `platform` (see decode_layout).
+
+  Call once after loading: the transpose copies every kernel, so doing it inside each
+  generation would cost about one decode step's memory traffic per call.
+  """
+  return to_layout(params, decode_layout(platform))
