@@ -36,6 +36,7 @@ from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import baseline, common
 from jaxspec.decoding.drafter import DraftContext, Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig
+from jaxspec.decoding.shared_encoder_drafter import SharedEncoderDrafterWithTarget
 from jaxspec.decoding.t5_drafter import T5Drafter
 from jaxspec.model import T5, rollback
 from jaxspec.sampling import SamplingConfig, acceptance_rate, standardize
@@ -71,6 +72,15 @@ def _t5_teacher_forced(params, encoder_tokens, decoder_tokens, *, config: T5Conf
 
 
 @functools.partial(jax.jit, static_argnames=('drafter', 'sampling'))
+def _shared_encoder_teacher_forced(params, encoder_tokens, decoder_tokens, *,
+                                   drafter: SharedEncoderDrafterWithTarget,
+                                   sampling: SamplingConfig):
+  """Standardized probs [b, t, v] of a shared-encoder draft at every prefix."""
+  logits = drafter.teacher_forced_logits(params, encoder_tokens, shift_right(decoder_tokens))
+  return standardize(logits.astype(jnp.float32), sampling)
+
+
+@functools.partial(jax.jit, static_argnames=('drafter', 'sampling'))
 def _per_prefix_proposals(params, encoder_tokens, decoder_tokens, key, *, drafter: Drafter,
                           sampling: SamplingConfig):
   """q [b, t, v] of a drafter whose proposal depends only on the committed prefix.
@@ -94,12 +104,16 @@ def drafter_probs(drafter: Drafter, params, encoder_tokens, decoder_tokens,
                   sampling: SamplingConfig, key=None):
   """q [b, t, v]: what the drafter proposes for tokens[:, j] given tokens[:, :j].
 
-  A T5 drafter runs teacher forced; any other drafter must depend only on the prefix
-  (true of the n-gram and prompt-lookup drafters) and is asked once per prefix.
+  A T5 drafter and a (stand-alone) shared-encoder drafter run teacher forced; any other
+  drafter must depend only on the prefix (true of the n-gram and prompt-lookup
+  drafters) and is asked once per prefix.
   """
   if isinstance(drafter, T5Drafter):
     return _t5_teacher_forced(params, encoder_tokens, decoder_tokens, config=drafter.config,
                               sampling=sampling)[0]
+  if isinstance(drafter, SharedEncoderDrafterWithTarget):
+    return _shared_encoder_teacher_forced(params, encoder_tokens, decoder_tokens,
+                                          drafter=drafter, sampling=sampling)
   key = jax.random.PRNGKey(0) if key is None else key
   return _per_prefix_proposals(params, encoder_tokens, decoder_tokens, key, drafter=drafter,
                                sampling=sampling)

@@ -44,7 +44,8 @@ from jaxspec import analysis, benchmark as measure, inference
 from jaxspec.config import T5Config
 from jaxspec.data import corpora
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter, T5Drafter,
+from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter,
+                                       SharedEncoderDrafterWithTarget, T5Drafter,
                                        UnigramDrafter)
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.sampling import SamplingConfig
@@ -68,7 +69,8 @@ class Setup:
   drafters, loaded once."""
 
   def __init__(self, task, target_model, target_checkpoint, t5_drafts, draft_checkpoints,
-               other_drafters, input_length, max_decode_length, alpha_splits=('test',)):
+               other_drafters, input_length, max_decode_length, alpha_splits=('test',),
+               shared_encoder_drafts=None):
     self.task, self.target_model = task, target_model
     self.max_decode_length = max_decode_length
     vocab = corpora.Vocabulary()
@@ -89,6 +91,15 @@ class Setup:
         name: infer_script.drafter_params(drafter, checkpoints.get(name), task, vocab,
                                           max_decode_length)
         for name, drafter in self.drafters.items()}
+    # Encoder-sharing drafts run stand-alone here (alpha and proposal times outside
+    # speculative decoding), so their params carry the target's for its encoder.
+    for name, drafter in (shared_encoder_drafts or {}).items():
+      self.drafters[f'shared encoder {name}'] = SharedEncoderDrafterWithTarget(
+          drafter, target_model)
+      self.drafter_params[f'shared encoder {name}'] = {
+          'draft': infer_script.drafter_params(drafter, draft_checkpoints.get(name), task,
+                                               vocab, max_decode_length),
+          'target': self.target_params}
 
   def keys(self, rows, seed=0):
     return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.PRNGKey(seed),
@@ -424,7 +435,7 @@ def write_plots(results: dict, output_dir: str):
 def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED,
               target_checkpoint: str = gin.REQUIRED, target_name: str = 'local target',
               t5_drafts: dict = gin.REQUIRED, draft_checkpoints: dict = gin.REQUIRED,
-              other_drafters=tuple(OTHER_DRAFTERS),
+              other_drafters=tuple(OTHER_DRAFTERS), shared_encoder_drafts: dict | None = None,
               output_dir: str = gin.REQUIRED, input_length: int = 64,
               max_decode_length: int = 64, temperatures=(0.0, 1.0), max_gamma: int = 10,
               alpha_tokens: int = 10000, alpha_splits=('test',),
@@ -443,6 +454,8 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
   train, which the drafts and n-gram tables were fitted on).
   options_*: the 'options' section (tokens per target call of plain / block / adaptive
   verification for the sweep drafter, on the first options_examples test examples).
+  shared_encoder_drafts: name -> SharedEncoderDrafter, its checkpoint in
+  draft_checkpoints[name]; reported as 'shared encoder <name>'.
   """
   if 'train' in alpha_splits:
     raise ValueError('alpha_splits must be held out: the drafters were fitted on train')
@@ -453,8 +466,11 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
   if unknown:
     raise ValueError(f'unknown other_drafters {sorted(unknown)}; known: {tuple(OTHER_DRAFTERS)}')
   setup = Setup(task, target_model, target_checkpoint, t5_drafts, draft_checkpoints,
-                other_drafters, input_length, max_decode_length, tuple(alpha_splits))
-  walltime_drafters = list(walltime_drafters or [f't5 {n}' for n in t5_drafts])
+                other_drafters, input_length, max_decode_length, tuple(alpha_splits),
+                shared_encoder_drafts)
+  walltime_drafters = list(walltime_drafters or (
+      [f't5 {n}' for n in t5_drafts]
+      + [f'shared encoder {n}' for n in shared_encoder_drafts or {}]))
   sweep_drafter = sweep_drafter or walltime_drafters[-1]
   results = {'task': task, 'target': target_name, 'machine': machine_description(),
              'compute_dtype': target_model.dtype, 'input_length': input_length,

@@ -46,8 +46,10 @@ from jaxspec import partitioning as partitioning_lib
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter, T5Drafter,
-                                       UnigramDrafter, fit_bigram, fit_unigram)
+from jaxspec.checkpoints import shared_encoder_draft as shared_encoder_checkpoints
+from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter,
+                                       SharedEncoderDrafter, T5Drafter, UnigramDrafter,
+                                       fit_bigram, fit_unigram)
 from jaxspec.decoding.speculative import (SpeculativeConfig, check_compatible,
                                           speculative_generate)
 from jaxspec.model import abstract_params
@@ -56,7 +58,8 @@ from jaxspec.sampling import SamplingConfig
 DEFAULT_GIN_FILE = 'configs/infer/ende_local.gin'
 DECODERS = ('baseline', 'speculative')
 
-for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter):
+for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter,
+                 SharedEncoderDrafter):
   gin.external_configurable(_drafter, module='jaxspec')
 
 
@@ -74,6 +77,11 @@ def drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length, part
     if partitioner:
       return partitioner.load_params(draft_checkpoint, drafter.config, draft=True)
     return inference.load_model_params(draft_checkpoint, drafter.config)
+  if isinstance(drafter, SharedEncoderDrafter):  # A draft decoder over the target's encoding.
+    if not draft_checkpoint:
+      raise ValueError('a shared-encoder drafter needs infer.draft_checkpoint')
+    return {'params': jax.device_put(shared_encoder_checkpoints.load(
+        draft_checkpoint, drafter.config, drafter.encoder_dim, dtype=drafter.config.param_dtype))}
   if isinstance(drafter, (UnigramDrafter, BigramDrafter)):
     if corpus is None:
       raise ValueError('n-gram drafters are fitted on a shipped corpus (infer.corpus); '
@@ -301,7 +309,8 @@ def run_settings(*, target_model, target_checkpoint, drafter, draft_checkpoint, 
   drafter, sampling, gamma, the examples, lengths, batch size (timings) and seed.
   Not the decoders run, num_examples (a prefix of the same examples; records are
   checked against them) or the mesh."""
-  uses_draft_checkpoint = isinstance(drafter, T5Drafter) and draft_checkpoint
+  uses_draft_checkpoint = (isinstance(drafter, (T5Drafter, SharedEncoderDrafter))
+                           and draft_checkpoint)
   return inference.describe({
       'target_model': target_model,
       'target_checkpoint': inference.checkpoint_identity(target_checkpoint),

@@ -11,23 +11,32 @@
 - No encoder pass for the draft: T5.encode is traced once per generation (twice with a
   T5Drafter, the control).
 - Checkpoints round-trip in T5X's legacy layout; bad trees and widths are refused.
+- scripts/infer.py takes the drafter by gin and decodes the baseline's outputs.
 """
 
 import functools
+import os
+import sys
 
 import flax.traverse_util
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import test_speculative as spec_tests  # tests/test_speculative.py: enumeration helpers
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                'scripts'))
+import gin_flags  # noqa: E402
+import infer as infer_script  # noqa: E402
+from jaxspec import benchmark as measure
 from jaxspec.checkpoints import shared_encoder_draft as draft_checkpoints
+from jaxspec.checkpoints.t5x import save_t5x_checkpoint
 from jaxspec.config import EOS_ID, get_config
-from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafters import (SharedEncoderDrafter, SharedEncoderDrafterWithTarget,
-                                       T5Drafter)
 from jaxspec.decoding import speculative
+from jaxspec.decoding.drafters import (DraftContext, SharedEncoderDrafter,
+                                       SharedEncoderDrafterWithTarget, T5Drafter)
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.model import T5, abstract_params, init_params, rollback
 from jaxspec.model import shared_encoder_draft as draft_model
@@ -192,6 +201,24 @@ def test_stand_alone_drafter_proposes_what_the_shared_one_does():
     SharedEncoderDrafterWithTarget(SharedEncoderDrafter(NARROW, 24), TARGET)
 
 
+def test_benchmark_teacher_forced_q_is_what_the_drafter_proposes():
+  # The benchmark's teacher-forced alpha path against the drafter's own proposals,
+  # one per prefix from a state carried along as speculative decoding carries it.
+  drafter = SharedEncoderDrafterWithTarget(SharedEncoderDrafter(NARROW, TARGET.emb_dim), TARGET)
+  params = {'draft': _narrow_params(), 'target': spec_tests._target_params()}
+  tokens, outputs = spec_tests._encoder_tokens(), spec_tests._baseline().tokens[:, :6]
+  sampling = SamplingConfig(temperature=1.0)
+  teacher_forced = measure.drafter_probs(drafter, params, tokens, outputs, sampling)
+  propose = jax.jit(functools.partial(drafter.propose, gamma=1, sampling=sampling))
+  state = drafter.init_state(params, tokens, 8)
+  keys = jax.random.split(jax.random.PRNGKey(0), len(tokens))
+  for length in range(1, 6):
+    context = DraftContext(tokens=outputs, length=jnp.full((len(tokens),), length),
+                           encoder_tokens=tokens)
+    _, probs, state = propose(params, state, context, keys=keys)
+    np.testing.assert_allclose(teacher_forced[:, length], probs[:, 0], rtol=1e-5, atol=1e-6)
+
+
 def test_wrong_encoder_width_is_refused():
   tokens = spec_tests._encoder_tokens()
   with pytest.raises(ValueError, match='encoder_dim=24'):
@@ -211,3 +238,38 @@ def test_checkpoint_round_trip_and_checks(tmp_path):
   with pytest.raises(ValueError, match="unexpected 'encoder/"):
     draft_checkpoints.check_params(init_params(NARROW, jax.random.PRNGKey(0)),
                                    NARROW, NARROW.emb_dim)
+
+
+def test_infer_launcher_takes_the_drafter_by_gin(tmp_path):
+  config = tmp_path / 'config.gin'
+  config.write_text(f"""
+include 'gin/models/tiny_pair.gin'
+include 'gin/tasks/ende.gin'
+include 'gin/decoding/speculative.gin'
+infer.target_model = @tiny_target/jaxspec.T5Config()
+infer.drafter = @jaxspec.SharedEncoderDrafter()
+jaxspec.SharedEncoderDrafter.config = @tiny_draft/jaxspec.T5Config()
+jaxspec.SharedEncoderDrafter.encoder_dim = 16
+infer.draft_name = 'tiny shared encoder'
+infer.max_decode_length = 8
+infer.num_examples = 4
+infer.batch_size = 2
+GAMMA = 2
+infer.target_checkpoint = '{tmp_path}/target'
+infer.draft_checkpoint = '{tmp_path}/draft'
+infer.output_dir = '{tmp_path}/out'
+""")
+  gin.clear_config()
+  try:
+    gin_flags.parse([f'--gin_file={config}'])
+    target = gin.query_parameter('infer.target_model').scoped_configurable_fn()
+    draft = gin.query_parameter(
+        'jaxspec.SharedEncoderDrafter.config').scoped_configurable_fn()
+    save_t5x_checkpoint(tmp_path / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
+    draft_checkpoints.save(tmp_path / 'draft', draft_model.init_params(
+        draft, target.emb_dim, jax.random.PRNGKey(1)), 1)
+    summary = infer_script.infer()
+  finally:
+    gin.clear_config()
+  assert summary['examples'] == 4 and summary['identical_outputs'] == 4
+  assert 0.0 <= summary['alpha'] <= 1.0
