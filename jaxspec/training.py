@@ -55,6 +55,17 @@ def learning_rate_schedule(config: OptimizerConfig, num_steps: int):
 
 
 def make_optimizer(config: OptimizerConfig, num_steps: int) -> optax.GradientTransformation:
+  """Gradient clipping, then Adafactor or AdamW on the configured schedule.
+
+  Equal settings give the same (stateless) object, so a jitted step that takes it as a
+  static argument compiles once per process, not once per run; num_steps counts only
+  for the cosine schedule.
+  """
+  return _cached_optimizer(config, num_steps if config.decay == 'cosine' else 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_optimizer(config: OptimizerConfig, num_steps: int) -> optax.GradientTransformation:
   schedule = learning_rate_schedule(config, num_steps)
   if config.name == 'adafactor':
     core = optax.adafactor(

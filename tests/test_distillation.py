@@ -19,7 +19,7 @@ from jaxspec.config import EOS_ID, get_config
 from jaxspec.data import corpora
 from jaxspec.decoding import baseline
 from jaxspec.decoding.t5_drafter import T5Drafter
-from jaxspec.model import init_params
+from jaxspec.model import T5, init_params
 from jaxspec.sampling import SamplingConfig, acceptance_rate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,7 +155,10 @@ def tiny_pair():
   return teacher, draft
 
 
-def _inputs(seed, rows, length=12):
+ROWS, MAX_DECODE_LENGTH = 8, 16  # One batch shape for every decode below: few compiles.
+
+
+def _inputs(seed, rows=ROWS, length=12):
   tokens = np.random.RandomState(seed).randint(3, TEACHER.vocab_size, (rows, length))
   tokens[:, -1] = EOS_ID
   tokens[0, 7:] = 0  # One padded row.
@@ -163,44 +166,48 @@ def _inputs(seed, rows, length=12):
   return tokens.astype(np.int32)
 
 
+def _on_policy_batch(reference, source, rng, tiny_pair, draft=None, temperature=1.0):
+  teacher, initial_draft = tiny_pair
+  return distillation.on_policy_batch(
+      reference, source, rng, mix=distillation.DataMixConfig(temperature=temperature),
+      max_decode_length=MAX_DECODE_LENGTH,
+      draft_params={'params': initial_draft if draft is None else draft}, draft_config=DRAFT,
+      teacher_params={'params': teacher}, teacher_config=TEACHER)
+
+
 def test_on_policy_batch_decodes_with_the_right_model_and_temperature(tiny_pair):
   teacher, draft = tiny_pair
-  inputs = _inputs(0, 4)
-  reference = {'inputs': inputs, 'targets': np.array([[5, 1], [6, 7]] * 2, np.int32),
-               'decoder_inputs': np.array([[0, 5], [0, 6]] * 2, np.int32)}
-  mix = distillation.DataMixConfig(temperature=0.8)
+  inputs = _inputs(0)
+  reference = {'inputs': inputs, 'targets': np.array([[5, 1], [6, 7]] * (ROWS // 2), np.int32),
+               'decoder_inputs': np.array([[0, 5], [0, 6]] * (ROWS // 2), np.int32)}
   rng = jax.random.PRNGKey(9)
-  expected_models = {'draft_samples': (draft, DRAFT, 0.8),
-                     'target_samples': (teacher, TEACHER, 0.8),
+  expected_models = {'draft_samples': (draft, DRAFT, 1.0),
+                     'target_samples': (teacher, TEACHER, 1.0),
                      'target_greedy': (teacher, TEACHER, 0.0)}
   batches = {}
   for source, (params, config, temperature) in expected_models.items():
-    batch = distillation.on_policy_batch(
-        reference, source, rng, mix=mix, max_decode_length=16, draft_params={'params': draft},
-        draft_config=DRAFT, teacher_params={'params': teacher}, teacher_config=TEACHER)
-    batches[source] = batch
-    # Independent: each row decoded alone with its own key, then read up to its EOS.
-    for row in range(len(inputs)):
-      output = baseline.generate({'params': params}, inputs[row:row + 1],
-                                 jax.random.fold_in(rng, row)[None], config=config,
-                                 max_decode_length=16,
-                                 sampling=SamplingConfig(temperature=temperature))
-      length = int(output.lengths[0])
-      np.testing.assert_array_equal(batch['targets'][row, :length], output.tokens[0, :length])
-      np.testing.assert_array_equal(batch['mask'][row], np.arange(16) < length)
-      assert not batch['targets'][row, length:].any()
+    batch = batches[source] = _on_policy_batch(reference, source, rng, tiny_pair)
+    output = baseline.generate({'params': params}, inputs, rng, config=config,
+                               max_decode_length=MAX_DECODE_LENGTH,
+                               sampling=SamplingConfig(temperature=temperature))
+    lengths = np.asarray(output.lengths)
+    width = batch['targets'].shape[1]
+    assert width == training.length_bucket(lengths.max())
+    np.testing.assert_array_equal(batch['targets'], np.asarray(output.tokens)[:, :width])
+    np.testing.assert_array_equal(batch['mask'], np.arange(width)[None] < lengths[:, None])
     np.testing.assert_array_equal(batch['decoder_inputs'][:, 1:], batch['targets'][:, :-1])
     assert not batch['decoder_inputs'][:, 0].any()
     np.testing.assert_array_equal(batch['inputs'], inputs)
-  # The three sources really differ (different models, or sampled against greedy).
+  # Independent of generate: greedy targets are the teacher's teacher-forced argmax.
+  greedy = batches['target_greedy']
+  logits = T5(TEACHER).apply({'params': teacher}, inputs, greedy['decoder_inputs'])
+  np.testing.assert_array_equal(np.where(greedy['mask'], np.argmax(logits, -1), 0),
+                                greedy['targets'])
+  # The sources really differ (different models, or sampled against greedy).
   assert not np.array_equal(batches['draft_samples']['targets'],
                             batches['target_samples']['targets'])
-  assert not np.array_equal(batches['target_samples']['targets'],
-                            batches['target_greedy']['targets'])
-  kept = distillation.on_policy_batch(
-      reference, 'references', rng, mix=mix, max_decode_length=16,
-      draft_params={'params': draft}, draft_config=DRAFT, teacher_params={'params': teacher},
-      teacher_config=TEACHER)
+  assert not np.array_equal(batches['target_samples']['targets'], greedy['targets'])
+  kept = _on_policy_batch(reference, 'references', rng, tiny_pair)
   np.testing.assert_array_equal(kept['targets'], reference['targets'])
   np.testing.assert_array_equal(kept['mask'], reference['targets'] > 0)
 
@@ -209,38 +216,38 @@ def test_greedy_targets_are_each_inputs_own_greedy_decode(tiny_pair):
   teacher, _ = tiny_pair
   rng = np.random.RandomState(5)
   input_ids = [rng.randint(3, 64, size=n).tolist() + [EOS_ID] for n in (3, 20, 7, 1, 11)]
-  targets = distillation.greedy_targets({'params': teacher}, TEACHER, input_ids, 12,
-                                        batch_size=2)
+  targets = distillation.greedy_targets({'params': teacher}, TEACHER, input_ids,
+                                        MAX_DECODE_LENGTH, batch_size=ROWS)
+  # Independent of the ordering and row padding: one row at a time, in input order.
   for ids, target in zip(input_ids, targets):
-    output = baseline.generate({'params': teacher}, np.array([ids], np.int32), config=TEACHER,
-                               max_decode_length=12, sampling=SamplingConfig(temperature=0.0))
+    row = np.zeros((1, 32), np.int32)
+    row[0, :len(ids)] = ids
+    output = baseline.generate({'params': teacher}, row, config=TEACHER,
+                               max_decode_length=MAX_DECODE_LENGTH,
+                               sampling=SamplingConfig(temperature=0.0))
     assert target == output.tokens[0, :int(output.lengths[0])].tolist()
 
 
 def test_on_policy_tvd_training_raises_the_measured_alpha(tiny_pair):
   teacher, draft = tiny_pair
-  held_out = _inputs(100, 32)
   sampling = SamplingConfig(temperature=1.0)
-  samples = benchmark.sample_target_outputs({'params': teacher}, TEACHER, held_out, 16,
-                                            sampling, jax.random.PRNGKey(5), 10**6)
+  samples = benchmark.sample_target_outputs(
+      {'params': teacher}, TEACHER, np.concatenate([_inputs(100), _inputs(101)]),
+      MAX_DECODE_LENGTH, sampling, jax.random.PRNGKey(5), 10**6, batch_size=ROWS)
 
   def alpha(params):
     return benchmark.measured_alpha(samples, {'params': teacher}, TEACHER, T5Drafter(DRAFT),
-                                    {'params': params}, sampling).alpha
+                                    {'params': params}, sampling, batch_size=ROWS).alpha
 
   optimizer = training.make_optimizer(
       training.OptimizerConfig(name='adamw', learning_rate=1e-2, warmup_steps=1), 30)
   params, opt_state = draft, optimizer.init(draft)
   before = alpha(params)
-  mix = distillation.DataMixConfig(draft_samples=1.0, references=0.0)
   divergence = distillation.DivergenceConfig(name='tvd')
   for step in range(30):
-    inputs = _inputs(step, 16)
-    batch = distillation.on_policy_batch(
-        {'inputs': inputs}, distillation.batch_source(mix, 0, step),
-        distillation.step_key(0, step), mix=mix, max_decode_length=16,
-        draft_params={'params': params}, draft_config=DRAFT,
-        teacher_params={'params': teacher}, teacher_config=TEACHER)
+    # On-policy: the draft's own samples, from the current params.
+    batch = _on_policy_batch({'inputs': _inputs(step)}, 'draft_samples',
+                             distillation.step_key(0, step), tiny_pair, draft=params)
     params, opt_state, _ = distillation.distill_step(
         params, opt_state, batch, teacher, config=DRAFT, teacher_config=TEACHER,
         optimizer=optimizer, divergence=divergence)
@@ -310,45 +317,58 @@ def teacher_checkpoint(tmp_path):
   return tmp_path
 
 
-def test_on_policy_run_resumes_to_the_same_parameters_and_logs_alpha(teacher_checkpoint):
+def test_on_policy_run_resumes_to_the_same_parameters(teacher_checkpoint):
   tmp_path = teacher_checkpoint
-  _run(tmp_path, _train_config(tmp_path, 'straight', ON_POLICY), ['train.num_steps=4'])
-  _run(tmp_path, _train_config(tmp_path, 'interrupted', ON_POLICY), ['train.num_steps=2'])
-  _run(tmp_path, _train_config(tmp_path, 'interrupted', ON_POLICY), ['train.num_steps=4'])
+  # The draft's own samples are the source that depends on the params being resumed.
+  mix = ON_POLICY.replace('target_samples = 0.2', 'target_samples = 0.0').replace(
+      'target_greedy = 0.2', 'target_greedy = 0.0')
+  config = lambda run: _train_config(tmp_path, run, mix + 'train.alpha_tokens = 0\n')
+  _run(tmp_path, config('straight'), ['train.num_steps=4'])
+  _run(tmp_path, config('interrupted'), ['train.num_steps=2'])
+  _run(tmp_path, config('interrupted'), ['train.num_steps=4'])
   expected = load_t5x_checkpoint(str(tmp_path / 'straight' / 'checkpoint_4'))
   actual = load_t5x_checkpoint(str(tmp_path / 'interrupted' / 'checkpoint_4'))
   jax.tree_util.tree_map(np.testing.assert_array_equal, actual, expected)
-  log = [json.loads(line) for line in (tmp_path / 'straight' / 'train_log.jsonl').open()]
-  assert [record['step'] for record in log] == [0, 2, 4]
-  for record in log:
-    assert 0.0 <= record['validation_alpha_t0'] <= 1.0
-    assert 0.0 <= record['validation_alpha_t1'] <= 1.0
-  # The draft was trained: its alpha moved from the start.
-  assert log[-1]['validation_alpha_t1'] != log[0]['validation_alpha_t1']
+  # Steps 0..3 draw both sources (seed 0), so both kinds of batch were replayed.
+  data_mix = gin.query_parameter('train.data_mix').scoped_configurable_fn()
+  assert {distillation.batch_source(data_mix, 0, step) for step in range(4)} == {
+      'draft_samples', 'references'}
 
 
-def test_sequence_kd_trains_on_cached_teacher_greedy_outputs(teacher_checkpoint, capsys):
+def test_sequence_kd_on_cached_teacher_outputs_logs_validation_alpha(teacher_checkpoint,
+                                                                      capsys):
   tmp_path = teacher_checkpoint
   extra = f"""
 train.sequence_kd = True
 train.sequence_kd_cache_dir = '{tmp_path / 'cache'}'
-train.alpha_tokens = 0
 """
-  _run(tmp_path, _train_config(tmp_path, 'first', extra), ['train.num_steps=1'])
+  _run(tmp_path, _train_config(tmp_path, 'first', extra), ['train.num_steps=2'])
   (cache_file,) = (tmp_path / 'cache').iterdir()
   with np.load(cache_file) as cached:
     targets = np.split(cached['tokens'], cached['ends'][:-1])
   assert len(targets) == 64
-  # Independent: the teacher's greedy decode of the first training input on its own.
+  # The teacher's greedy decodes of the first training inputs, in file order.
   teacher = gin.query_parameter('train.teacher_model').scoped_configurable_fn()
   teacher_params = {'params': load_t5x_checkpoint(str(tmp_path / 'teacher'))}
-  (first,) = corpora.load_split('ende', 'train')[:1]
-  input_ids = corpora.encode_example(first, 'ende', corpora.Vocabulary(), 16, 16)[0]
-  output = baseline.generate(teacher_params, np.array([input_ids], np.int32), config=teacher,
-                             max_decode_length=16, sampling=SamplingConfig(temperature=0.0))
-  np.testing.assert_array_equal(targets[0], output.tokens[0, :int(output.lengths[0])])
+  vocab = corpora.Vocabulary()
+  inputs = np.zeros((8, 16), np.int32)
+  for row, example in enumerate(corpora.load_split('ende', 'train')[:8]):
+    ids = corpora.encode_example(example, 'ende', vocab, 16, 16)[0]
+    inputs[row, :len(ids)] = ids
+  output = baseline.generate(teacher_params, inputs, config=teacher, max_decode_length=16,
+                             sampling=SamplingConfig(temperature=0.0))
+  for row in range(8):
+    np.testing.assert_array_equal(targets[row],
+                                  output.tokens[row, :int(output.lengths[row])])
+  log = [json.loads(line) for line in (tmp_path / 'first' / 'train_log.jsonl').open()]
+  assert [record['step'] for record in log] == [0, 2]
+  for record in log:
+    assert 0.0 <= record['validation_alpha_t0'] <= 1.0
+    assert 0.0 < record['validation_alpha_t1'] <= 1.0
+  assert log[1]['validation_alpha_t1'] != log[0]['validation_alpha_t1']  # It trained.
   capsys.readouterr()
-  _run(tmp_path, _train_config(tmp_path, 'second', extra), ['train.num_steps=1'])
+  _run(tmp_path, _train_config(tmp_path, 'second', extra + 'train.alpha_tokens = 0\n'),
+       ['train.num_steps=1'])
   assert 'teacher greedy targets read from' in capsys.readouterr().out
   assert len(list((tmp_path / 'cache').iterdir())) == 1
 
