@@ -24,12 +24,14 @@ module never calls gin. README.md ("Using jaxspec from T5X") has the gin lines.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.config import EOS_ID, T5Config, get_config
 from jaxspec.decoding import common
@@ -59,6 +61,9 @@ T5X_NETWORK_FIELDS = ('vocab_size', 'emb_dim', 'num_heads', 'num_encoder_layers'
 SUPPORTED_DECODER_PARAMS = ('temperature', 'topk', 'topp', 'max_decode_steps',
                             'max_decode_steps_hard_limit', 'decode_rng', 'eos_id',
                             'rescale_log_probs')
+# T5X's callbacks edit the one-token loop's SamplingLoopState; the speculative loop
+# verifies several positions per step and has no such state.
+_CALLBACK_PARAMS = ('state_callback_fn', 'logit_callback_fn')
 
 
 def t5config_from_t5x_network_config(cfg) -> T5Config:
@@ -159,9 +164,8 @@ def speculative_predict(variables, encoder_tokens, decode_length: int, rng=None,
   """
   batch = encoder_tokens.shape[0]
   steps = decode_length if max_decode_steps is None else min(decode_length, max_decode_steps)
-  if steps < 1:
-    return (jnp.zeros((batch, num_decodes, decode_length), jnp.int32),
-            jnp.zeros((batch, num_decodes), jnp.float32))
+  # T5X quirk, matched: without a decoder prompt, max_decode_steps=0 still draws one token.
+  steps = max(steps, 1)
   expanded = jnp.repeat(encoder_tokens.astype(jnp.int32), num_decodes, axis=0)  # [b*n, s]
   result = speculative_generate(
       variables, drafter_params, expanded, common.row_keys(rng, batch * num_decodes),
@@ -172,10 +176,33 @@ def speculative_predict(variables, encoder_tokens, decode_length: int, rng=None,
                         result.output.log_prob.reshape(batch, num_decodes))
 
 
+def _row_temperatures(temperature, batch: int):
+  """A per-row temperature [batch] as a tuple of floats, or None for a scalar."""
+  if np.ndim(temperature) == 0:
+    return None
+  try:
+    values = np.asarray(temperature, np.float32)
+  except jax.errors.TracerArrayConversionError as error:
+    raise ValueError('a per-row temperature must be concrete (numpy or Python numbers), '
+                     'not traced: each distinct value selects a compiled decode') from error
+  if values.shape != (batch,):
+    raise ValueError(f'temperature must be a number or one per input row, shape '
+                     f'({batch},); got shape {values.shape}')
+  return tuple(float(value) for value in values)
+
+
 def _decode_settings(decoder_params, rng, default_sampling: SamplingConfig,
-                     default_eos_id: int):
-  """T5X-style decoder_params -> (sampling, eos_id, rng, max_decode_steps)."""
+                     default_eos_id: int, batch: int, decode_length: int):
+  """T5X-style decoder_params -> (sampling, eos_id, rng, max_decode_steps, temperatures).
+
+  temperatures: None, or one float per input row (the row's standardization).
+  """
   params = dict(decoder_params or {})
+  callbacks = sorted(set(params) & set(_CALLBACK_PARAMS))
+  if callbacks:
+    raise ValueError(f'{callbacks} are not supported by speculative decoding: T5X\'s '
+                     'callbacks edit the one-token loop state, which the speculative loop '
+                     'does not have; use t5x_adapter.temperature_sample as decode_fn')
   unknown = sorted(set(params) - set(SUPPORTED_DECODER_PARAMS))
   if unknown:
     raise ValueError(f'decoder_params {unknown} are not supported by speculative '
@@ -186,19 +213,46 @@ def _decode_settings(decoder_params, rng, default_sampling: SamplingConfig,
   if rng is not None and params.get('decode_rng') is not None:
     raise ValueError("got an RNG both as `rng` and as decoder_params['decode_rng']; "
                      'pass one or the other')
+  temperature = params.get('temperature', default_sampling.temperature)
+  temperatures = _row_temperatures(temperature, batch)
   sampling = sampling_config_from_t5x(
-      params.get('temperature', default_sampling.temperature),
+      temperature if temperatures is None else 1.0,
       params.get('topk', default_sampling.top_k),
       params.get('topp', default_sampling.top_p if default_sampling.top_p < 1.0 else 0.0))
   max_steps = params.get('max_decode_steps')
   hard_limit = params.get('max_decode_steps_hard_limit')
-  # As T5X: the hard limit only clips an explicit max_decode_steps.
-  if max_steps is not None and hard_limit is not None and hard_limit > 0:
-    max_steps = min(max_steps, hard_limit)
   if max_steps is not None:
     max_steps = _python_number('max_decode_steps', max_steps, int)
+    # As T5X: the hard limit only clips an explicit max_decode_steps, and only when > 0.
+    if hard_limit is not None and hard_limit > 0:
+      max_steps = min(max_steps, _python_number('max_decode_steps_hard_limit', hard_limit, int))
+    if max_steps > decode_length:
+      raise ValueError(f'max_decode_steps ({max_steps}) exceeds the decode length '
+                       f'{decode_length}')
   eos_id = _python_number('eos_id', params.get('eos_id', default_eos_id), int)
-  return sampling, eos_id, rng if rng is not None else params.get('decode_rng'), max_steps
+  return (sampling, eos_id, rng if rng is not None else params.get('decode_rng'), max_steps,
+          temperatures)
+
+
+def _predict_per_row_temperature(predict, sampling: SamplingConfig, temperatures):
+  """Rows at different temperatures: one speculative decode per distinct temperature
+  (every row standardized at its own), each row taken from its temperature's decode.
+
+  predict(sampling=...) -> (decodes [b, n, L], scores [b, n]); temperatures: b floats.
+  Rows decode independently (per-row keys), so running a row at another temperature
+  does not change what it draws at its own.
+  """
+  decodes = scores = None
+  for temperature in sorted(set(temperatures)):
+    row = jnp.asarray(np.array(temperatures) == temperature)  # [b]
+    these_decodes, these_scores = predict(
+        sampling=dataclasses.replace(sampling, temperature=temperature))
+    if decodes is None:
+      decodes, scores = these_decodes, these_scores
+    else:
+      decodes = jnp.where(row[:, None, None], these_decodes, decodes)
+      scores = jnp.where(row[:, None], these_scores, scores)
+  return decodes, scores
 
 
 # decoder_params the speculative beam route understands (T5X's beam_search names).
@@ -305,14 +359,22 @@ def _model_class(base: type) -> type:
         if return_all_decodes:
           return decodes, {'scores': scores}
         return decodes[:, -1], {'scores': scores[:, -1]}
-      sampling, eos_id, decode_rng, max_steps = _decode_settings(
-          decoder_params, rng, self.default_sampling, self.output_vocabulary.eos_id)
-      decodes, scores = speculative_predict(
-          {'params': params}, batch['encoder_input_tokens'],
-          batch['decoder_input_tokens'].shape[1], decode_rng,
-          target_config=self.target_config, drafter=self.drafter,
-          drafter_params=self.drafter_params, spec=self.spec, sampling=sampling,
-          eos_id=eos_id, num_decodes=int(num_decodes), max_decode_steps=max_steps)
+      encoder_tokens = batch['encoder_input_tokens']
+      decode_length = batch['decoder_input_tokens'].shape[1]
+      # As T5X: a vocabulary without EOS (eos_id None, e.g. seqio's PassThroughVocabulary)
+      # ends sequences at id 1.
+      sampling, eos_id, decode_rng, max_steps, temperatures = _decode_settings(
+          decoder_params, rng, self.default_sampling, self.output_vocabulary.eos_id or 1,
+          encoder_tokens.shape[0], decode_length)
+      predict = functools.partial(
+          speculative_predict, {'params': params}, encoder_tokens, decode_length,
+          decode_rng, target_config=self.target_config, drafter=self.drafter,
+          drafter_params=self.drafter_params, spec=self.spec, eos_id=eos_id,
+          num_decodes=int(num_decodes), max_decode_steps=max_steps)
+      if temperatures is None:
+        decodes, scores = predict(sampling=sampling)
+      else:
+        decodes, scores = _predict_per_row_temperature(predict, sampling, temperatures)
       if return_all_decodes:
         return decodes, {'scores': scores}
       return decodes[:, -1], {'scores': scores[:, -1]}

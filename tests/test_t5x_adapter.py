@@ -308,7 +308,8 @@ def test_temperature_sample_as_t5x_decode_fn_matches_generate(fake_t5x, weights,
       module=FakeNetwork(_network_config(TARGET), T5(TARGET)),
       input_vocabulary=FakeVocabulary(), output_vocabulary=FakeVocabulary(),
       optimizer_def=None, decode_fn=t5x_adapter.temperature_sample)
-  rng = jax.random.PRNGKey(4)
+  # Per-row keys (a jaxspec extension of decode_rng) draw what generate draws.
+  rng = jax.random.split(jax.random.PRNGKey(4), ENCODER_TOKENS.shape[0])
   predict = jax.jit(lambda params, batch, rng: model.predict_batch_with_aux(
       params, batch, rng=rng, decoder_params={'temperature': temperature, 'topk': 0}))
   decodes, aux = predict(weights[0]['params'], _batch(), rng)
