@@ -97,6 +97,9 @@ NAMED_CONFIGS: dict[str, T5Config] = {
     'local_target': _local(256, 4, 64, 4, 768),
     'local_draft_small': _local(64, 2, 32, 2, 256),
     'local_draft_base': _local(128, 4, 32, 3, 512),
+    # Larger local targets (gin/models/local_target_45m.gin; 150m for step costs only).
+    'local_target_45m': _local(512, 8, 64, 6, 1024),
+    'local_target_150m': _local(768, 12, 64, 8, 2048),
     # Tiny configurations for tests: fast on CPU, both variants.
     'test_tiny_1_1': T5Config(
         vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, num_encoder_layers=2,

@@ -21,11 +21,20 @@ import numpy as np
 from jaxspec.checkpoints import t5x as t5x_checkpoints
 from jaxspec.config import T5Config
 from jaxspec.data import corpora
+from jaxspec.model import kernel_layout
 
 
-def load_model_params(checkpoint: str, config: T5Config):
-  """Variables {'params': ...} from a T5X checkpoint, in config.param_dtype, on device."""
+def load_model_params(checkpoint: str, config: T5Config, *, for_decoding: bool = False):
+  """Variables {'params': ...} from a T5X checkpoint, in config.param_dtype, on device.
+
+  for_decoding: kernels in the layout in which a TARGET decodes fastest on this
+  platform (jaxspec.model.kernel_layout: transposed on CPU, where a verify step over a
+  few positions then costs much less). Drafts keep T5X's layout: their steps are
+  single-position and measured no faster transposed (scripts/step_costs.py).
+  """
   params = t5x_checkpoints.load_t5x_checkpoint(checkpoint, config, dtype=config.param_dtype)
+  if for_decoding:
+    params = kernel_layout.for_decoding(params)
   return {'params': jax.device_put(params)}
 
 

@@ -195,7 +195,8 @@ def load(name: str, draft: str = 'small', *, dtype: str = 'float32',
   draft_config = get_config(f'local_draft_{draft}', dtype=dtype, param_dtype=dtype)
   return Pair(
       name=name, task=spec.task, target_config=target_config, draft_config=draft_config,
-      target_params=inference.load_model_params(str(root / 'target'), target_config),
+      target_params=inference.load_model_params(str(root / 'target'), target_config,
+                                                for_decoding=True),
       draft_params=inference.load_model_params(str(root / f'draft_{draft}'), draft_config),
       vocabulary=corpora.Vocabulary(), input_length=spec.input_length,
       max_decode_length=spec.max_decode_length, gamma=spec.gamma)

@@ -82,7 +82,8 @@ class Setup:
 
     self.inputs = split_inputs('test')
     self.alpha_inputs = np.concatenate([split_inputs(split) for split in alpha_splits])
-    self.target_params = inference.load_model_params(target_checkpoint, target_model)
+    self.target_params = inference.load_model_params(target_checkpoint, target_model,
+                                                     for_decoding=True)
     vocab_size = target_model.vocab_size
     self.drafters = {f't5 {name}': T5Drafter(config) for name, config in t5_drafts.items()}
     self.drafters.update({name: OTHER_DRAFTERS[name](vocab_size) for name in other_drafters})

@@ -448,7 +448,8 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   """Loads the models, decodes what output_dir lacks and writes the summary."""
   examples, vocab = task.examples, task.vocab
   target_params = (partitioner.load_params(target_checkpoint, target_model) if partitioner
-                   else inference.load_model_params(target_checkpoint, target_model))
+                   else inference.load_model_params(target_checkpoint, target_model,
+                                                   for_decoding=True))
   params = (drafter_params(drafter, draft_checkpoint, task.corpus, vocab, max_decode_length,
                            partitioner) if 'speculative' in decoders else None)
   rng = jax.random.PRNGKey(seed)

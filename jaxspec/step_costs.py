@@ -1,0 +1,161 @@
+"""What a target decode step over k positions costs against a one-position step.
+
+Theorem 3.8 takes a verify step over gamma + 1 positions to cost one step. This module
+measures V(k) = time(step over k positions) / time(step over 1 position) for a target,
+in each kernel layout (jaxspec.model.kernel_layout), with every (layout, k) timed in
+turn within each repetition so that machine load hits all of them alike; plus the
+FLOPs and bytes XLA's cost analysis assigns to each compiled step, and the fraction
+of this machine's measured memory bandwidth and matmul throughput the step reaches.
+
+Used by scripts/step_costs.py; nothing here parses flags or writes files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import T5Config
+from jaxspec.model import T5, init_params, kernel_layout, rollback
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCostSetup:
+  """Where the steps run: one row, a cache holding `cache_position` decoder positions."""
+  batch_size: int = 1
+  source_length: int = 40
+  cache_position: int = 20
+  cache_length: int = 64
+  steps_per_call: int = 10  # Decode steps per timed call (one jit, a fori_loop).
+  repeats: int = 15
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'num_steps', 'cache_position'))
+def _decode_steps(params, cache, tokens, *, config: T5Config, num_steps: int,
+                  cache_position: int):
+  """num_steps decode steps of tokens [b, k], each from the same cache position."""
+  model = T5(config)
+  batch = tokens.shape[0]
+
+  def step(_, carry):
+    cache, tokens = carry
+    cache = rollback(cache, jnp.full((batch,), cache_position, jnp.int32))
+    logits, cache = model.apply(params, tokens, cache, method=T5.decode)  # [b, k, v]
+    # The next inputs depend on the logits, so no step can be skipped or hoisted.
+    return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  return jax.lax.fori_loop(0, num_steps, step, (cache, tokens))[1]
+
+
+def _one_step(params, cache, tokens, *, config: T5Config, cache_position: int):
+  cache = rollback(cache, jnp.full((tokens.shape[0],), cache_position, jnp.int32))
+  return T5(config).apply(params, tokens, cache, method=T5.decode)[0]
+
+
+def step_cost_analysis(params, cache, tokens, config: T5Config,
+                       cache_position: int) -> dict[str, float]:
+  """{'flops', 'bytes'} XLA's cost analysis gives one compiled decode step."""
+  compiled = jax.jit(functools.partial(_one_step, config=config,
+                                       cache_position=cache_position)).lower(
+                                           params, cache, tokens).compile()
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else {}
+  analysis = analysis or {}
+  return {'flops': float(analysis.get('flops', float('nan'))),
+          'bytes': float(analysis.get('bytes accessed', float('nan')))}
+
+
+def _empty_cache(params, config: T5Config, setup: StepCostSetup):
+  model = T5(config)
+  encoder_tokens = jnp.ones((setup.batch_size, setup.source_length), jnp.int32)
+  encoded = model.apply(params, encoder_tokens, method=T5.encode)
+  return model.apply(params, encoded, encoder_tokens, setup.cache_length, method=T5.init_cache)
+
+
+def interleaved_times(calls: Mapping[str, Callable[[], jax.Array]],
+                      repeats: int) -> dict[str, np.ndarray]:
+  """{name: seconds of each repetition}: every call once untimed, then all in turn."""
+  for call in calls.values():
+    jax.block_until_ready(call())
+  times = {name: [] for name in calls}
+  for _ in range(repeats):
+    for name, call in calls.items():
+      start = time.perf_counter()
+      jax.block_until_ready(call())
+      times[name].append(time.perf_counter() - start)
+  return {name: np.asarray(t) for name, t in times.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+  """One target's step costs in each layout."""
+  step_seconds: dict[str, dict[int, float]]  # layout -> k -> fastest seconds per step
+  ratio: dict[str, dict[int, float]]  # layout -> k -> V(k): median over repetitions
+  cost: dict[str, dict[int, dict[str, float]]]  # layout -> k -> {'flops', 'bytes'}
+
+
+def measure_step_costs(config: T5Config, positions: Sequence[int],
+                       layouts: Sequence[str] = (kernel_layout.T5X, kernel_layout.TRANSPOSED),
+                       setup: StepCostSetup = StepCostSetup(), params=None,
+                       seed: int = 0) -> StepCosts:
+  """V(k) for k in `positions` (1 is added), per layout, interleaved in one process.
+
+  params: the target's variables (random ones of `config` by default; the values do
+  not change the cost of a step).
+  """
+  if params is None:
+    params = {'params': init_params(config, jax.random.PRNGKey(seed))['params']}
+  positions = sorted(set(positions) | {1})
+  calls, inputs = {}, {}
+  for layout in layouts:
+    layout_params = kernel_layout.to_layout(params, layout)
+    cache = _empty_cache(layout_params, config, setup)
+    for k in positions:
+      tokens = jnp.ones((setup.batch_size, k), jnp.int32)
+      inputs[layout, k] = (layout_params, cache, tokens)
+      calls[layout, k] = functools.partial(
+          _decode_steps, layout_params, cache, tokens, config=config,
+          num_steps=setup.steps_per_call, cache_position=setup.cache_position)
+  times = interleaved_times(calls, setup.repeats)
+  step_seconds, ratio, cost = {}, {}, {}
+  for layout in layouts:
+    one = times[layout, 1]
+    step_seconds[layout] = {k: float(times[layout, k].min()) / setup.steps_per_call
+                            for k in positions}
+    ratio[layout] = {k: float(np.median(times[layout, k] / one)) for k in positions}
+    cost[layout] = {k: step_cost_analysis(*inputs[layout, k], config, setup.cache_position)
+                    for k in positions}
+  return StepCosts(step_seconds=step_seconds, ratio=ratio, cost=cost)
+
+
+# ---------------------------------------------------------------------------
+# This machine's roofline, measured.
+
+
+@jax.jit
+def _sum_rows(x):
+  return jnp.sum(x, axis=0)
+
+
+@jax.jit
+def _matmul(a, b):
+  return a @ b
+
+
+def machine_roofline(megabytes: int = 256, matmul_size: int = 1024,
+                     repeats: int = 5) -> dict[str, float]:
+  """{'bytes_per_second', 'flops_per_second'}: a streaming sum over a buffer larger than
+  any cache, and a square float32 matmul, each the fastest of `repeats`."""
+  x = jnp.ones((megabytes * 2**20 // 4 // 1024, 1024), jnp.float32)
+  a = jnp.ones((matmul_size, matmul_size), jnp.float32)
+  read = interleaved_times({'read': lambda: _sum_rows(x)}, repeats)['read'].min()
+  multiply = interleaved_times({'matmul': lambda: _matmul(a, a)}, repeats)['matmul'].min()
+  return {'bytes_per_second': x.nbytes / float(read),
+          'flops_per_second': 2 * matmul_size**3 / float(multiply)}
