@@ -19,7 +19,7 @@ import optax
 from jaxspec.config import T5Config
 from jaxspec.model import T5
 from jaxspec.model.shared_encoder_draft import SharedEncoderDraft
-from jaxspec.training import LossConfig, token_losses
+from jaxspec.training import LossConfig, descend
 
 
 def target_encoding(target_params, batch, *, target_config: T5Config, with_logits: bool):
@@ -52,17 +52,11 @@ def train_step(params, opt_state, batch, target_params, *, config: T5Config,
       with_logits=loss_config.distill_weight > 0)
   model = SharedEncoderDraft(config, encoder_dim)
 
-  def loss_fn(p):
-    logits = model.apply({'params': p}, encoded, batch['inputs'], batch['decoder_inputs'])
-    total, count, hard = token_losses(logits, batch['targets'], loss_config, teacher_logits)
-    return total / jnp.maximum(count, 1.0), (count, hard)
+  def logits_fn(p):
+    return model.apply({'params': p}, encoded, batch['inputs'], batch['decoder_inputs'])
 
-  (loss, (count, hard)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-  updates, opt_state = optimizer.update(grads, opt_state, params)
-  params = optax.apply_updates(params, updates)
-  metrics = {'loss': loss, 'cross_entropy': hard / jnp.maximum(count, 1.0),
-             'tokens': count, 'grad_norm': optax.tree.norm(grads)}
-  return params, opt_state, metrics
+  return descend(params, opt_state, optimizer, logits_fn, batch['targets'], loss_config,
+                 teacher_logits)
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'encoder_dim', 'target_config'))

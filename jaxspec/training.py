@@ -167,9 +167,19 @@ def train_step(params, opt_state, batch, *, config: T5Config,
     teacher_logits = jax.lax.stop_gradient(T5(teacher_config).apply(
         {'params': teacher_params}, batch['inputs'], batch['decoder_inputs']))
 
+  def logits_fn(p):
+    return T5(config).apply({'params': p}, batch['inputs'], batch['decoder_inputs'])
+
+  return descend(params, opt_state, optimizer, logits_fn, batch['targets'], loss_config,
+                 teacher_logits)
+
+
+def descend(params, opt_state, optimizer: optax.GradientTransformation, logits_fn, targets,
+            loss_config: LossConfig, teacher_logits=None):
+  """One optimizer step on the token loss of logits_fn(params) [b, t, v] against
+  targets [b, t] (and the teacher's logits); -> params, opt_state, metrics."""
   def loss_fn(p):
-    logits = T5(config).apply({'params': p}, batch['inputs'], batch['decoder_inputs'])
-    total, count, hard = token_losses(logits, batch['targets'], loss_config, teacher_logits)
+    total, count, hard = token_losses(logits_fn(p), targets, loss_config, teacher_logits)
     return total / jnp.maximum(count, 1.0), (count, hard)
 
   (loss, (count, hard)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
