@@ -154,7 +154,7 @@ def test_unknown_gin_binding_names_the_file_line_and_fix(tmp_path):
   with pytest.raises(ValueError, match=re.escape(
       "Configurable 'infer' doesn't have a parameter named 'num_exampels'.\n"
       f'  In file "{path}", line 2\n    infer.num_exampels = 3\n'
-      "  Did you mean 'num_examples'?")):
+      "  Did you mean 'num_examples'")):  # The closest name comes first.
     gin_flags.parse([f'--gin_file={path}'])
   gin.clear_config()
   with pytest.raises(ValueError, match=r"infer takes: target_model, target_checkpoint, "):
