@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import benchmark
 from jaxspec.config import T5Config
 from jaxspec.model import T5, init_params, kernel_layout, rollback
 
@@ -81,16 +81,11 @@ def _empty_cache(params, config: T5Config, setup: StepCostSetup):
 
 def interleaved_times(calls: Mapping[str, Callable[[], jax.Array]],
                       repeats: int) -> dict[str, np.ndarray]:
-  """{name: seconds of each repetition}: every call once untimed, then all in turn."""
-  for call in calls.values():
-    jax.block_until_ready(call())
-  times = {name: [] for name in calls}
-  for _ in range(repeats):
-    for name, call in calls.items():
-      start = time.perf_counter()
-      jax.block_until_ready(call())
-      times[name].append(time.perf_counter() - start)
-  return {name: np.asarray(t) for name, t in times.items()}
+  """{name: seconds of each repetition}: every call once untimed, then all in turn
+  (benchmark.time_side_by_side over a single item)."""
+  totals = benchmark.time_side_by_side({name: lambda _, call=call: call()
+                                        for name, call in calls.items()}, 1, repeats)
+  return {name: np.asarray(seconds) for name, seconds in totals.items()}
 
 
 @dataclasses.dataclass(frozen=True)
