@@ -34,17 +34,23 @@ from jaxspec.sampling import SamplingConfig
 @dataclasses.dataclass(frozen=True)
 class PairSpec:
   """Where a named pair's parts are and the lengths its task was trained for."""
-  task: str  # the shipped corpus: its task prefix and its checkpoints/<task>/ directory
+  task: str  # the shipped corpus: its task prefix
   input_length: int
   max_decode_length: int
   gamma: int = 3  # The main job's gamma for this pair.
+  directory: str | None = None  # checkpoints/<directory>/ (default: the task's name)
+  target: str = 'local_target'  # the target's get_config name
+  default_draft: str = 'small'  # the draft `load` takes when none is named
 
 
 PAIRS = {
     'ende_local': PairSpec('ende', input_length=64, max_decode_length=64),
     'docsum_local': PairSpec('docsum', input_length=256, max_decode_length=128),
+    'ende45m_local': PairSpec('ende', input_length=64, max_decode_length=64,
+                              directory='ende45m', target='local_target_45m',
+                              default_draft='base'),
 }
-DRAFTS = ('small', 'base')  # checkpoints/<task>/draft_<draft>, config local_draft_<draft>
+DRAFTS = ('small', 'base')  # checkpoints/<directory>/draft_<draft>, config local_draft_<draft>
 DECODERS = ('speculative', 'baseline')
 
 
@@ -173,25 +179,27 @@ def _as_texts(texts: str | Sequence[str]) -> list[str]:
   return texts
 
 
-def load(name: str, draft: str = 'small', *, dtype: str = 'float32',
+def load(name: str, draft: str | None = None, *, dtype: str = 'float32',
          checkpoint_dir: str | pathlib.Path | None = None) -> Pair:
-  """The named pair ('ende_local' or 'docsum_local') with the `draft` ('small' or
-  'base') draft model, parameters in `dtype` (float32 on CPU, bfloat16 on TPU/GPU).
+  """The named pair ('ende_local', 'docsum_local' or 'ende45m_local') with the `draft`
+  ('small' or 'base'; None: the pair's default, base for ende45m_local and small for
+  the others), parameters in `dtype` (float32 on CPU, bfloat16 on TPU/GPU).
 
-  checkpoint_dir: the directory holding <task>/target and <task>/draft_<draft>
-  (default: the source checkout's checkpoints/).
+  checkpoint_dir: the directory holding <directory>/target and
+  <directory>/draft_<draft> (default: the source checkout's checkpoints/).
   """
   if name not in PAIRS:
     raise KeyError(f'unknown pair {name!r}; known: {sorted(PAIRS)}')
+  spec = PAIRS[name]
+  draft = spec.default_draft if draft is None else draft
   if draft not in DRAFTS:
     raise ValueError(f'draft must be one of {DRAFTS}, got {draft!r}')
-  spec = PAIRS[name]
-  root = pathlib.Path(checkpoint_dir or default_checkpoint_dir()) / spec.task
+  root = pathlib.Path(checkpoint_dir or default_checkpoint_dir()) / (spec.directory or spec.task)
   if not root.is_dir():
     raise FileNotFoundError(
         f'no checkpoints for {name} at {root}: the shipped pairs live in the source '
         "checkout's checkpoints/ directory (pip install -e .), or pass checkpoint_dir")
-  target_config = get_config('local_target', dtype=dtype, param_dtype=dtype)
+  target_config = get_config(spec.target, dtype=dtype, param_dtype=dtype)
   draft_config = get_config(f'local_draft_{draft}', dtype=dtype, param_dtype=dtype)
   return Pair(
       name=name, task=spec.task, target_config=target_config, draft_config=draft_config,

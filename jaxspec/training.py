@@ -77,9 +77,14 @@ def _cached_optimizer(config: OptimizerConfig, num_steps: int) -> optax.Gradient
   return optax.chain(optax.clip_by_global_norm(config.clip_norm), core)
 
 
-def length_bucket(length: int, quantum: int = LENGTH_QUANTUM) -> int:
+def length_bucket(length: int, quantum: int | None = None) -> int:
   """The padded length of a batch side: a multiple of quantum up to 4 quanta, then the
-  next of 6, 8, 12, 16, 24, ... quanta, so long inputs compile a few shapes, not dozens."""
+  next of 6, 8, 12, 16, 24, ... quanta, so long inputs compile a few shapes, not dozens.
+
+  quantum: LENGTH_QUANTUM when None (scripts/train.py sets it from train.length_quantum:
+  on an accelerator one quantum as long as the inputs compiles a single shape).
+  """
+  quantum = LENGTH_QUANTUM if quantum is None else quantum
   bucket = max(quantum, -(-length // quantum) * quantum)
   if bucket <= 4 * quantum:
     return bucket

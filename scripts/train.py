@@ -181,7 +181,8 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
           init_checkpoint: str | None = None,
           checkpoint_every: int = 250, keep_checkpoints: int = 2, eval_every: int = 250,
           eval_examples: int = 512, alpha_tokens: int = 2000, alpha_split: str = 'validation',
-          log_every: int = 25, seed: int = 0, max_train_examples: int | None = None):
+          log_every: int = 25, seed: int = 0, max_train_examples: int | None = None,
+          length_quantum: int = training.LENGTH_QUANTUM):
   """Trains `model` on `corpus` for num_steps; distills when a teacher is given.
 
   divergence: train on it against the teacher's distribution at every position of
@@ -192,7 +193,11 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
   alpha_tokens: with a teacher, the validation alpha at temperatures 0 and 1 is logged
     every eval_every steps over about this many of the teacher's output tokens for
     alpha_split's inputs (0: never).
+  length_quantum: batches are padded to multiples of it (jaxspec.training.length_bucket).
+    Each padded shape compiles once: on CPU short buckets save time, on an accelerator
+    input_length (one shape) does.
   """
+  training.LENGTH_QUANTUM = length_quantum
   os.makedirs(checkpoint_dir, exist_ok=True)
   with open(os.path.join(checkpoint_dir, 'config.gin'), 'w') as f:
     f.write(gin.operative_config_str())

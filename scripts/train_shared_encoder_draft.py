@@ -55,13 +55,16 @@ def train_shared_encoder_draft(
     loss: training.LossConfig = training.LossConfig(distill_weight=0.5),
     init_from_target_decoder: bool = False, checkpoint_every: int = 250,
     keep_checkpoints: int = 2, eval_every: int = 250, eval_examples: int = 512,
-    log_every: int = 25, seed: int = 0, max_train_examples: int | None = None):
+    log_every: int = 25, seed: int = 0, max_train_examples: int | None = None,
+    length_quantum: int = training.LENGTH_QUANTUM):
   """Trains the draft decoder `model` over the frozen target's encoder output.
 
   encoder_dim: the target's emb_dim (the default); the draft projects it to its own
   width when they differ. init_from_target_decoder: start from the target's decoder
   (same width and decoder shape only) instead of a random initialization.
+  length_quantum: batches are padded to multiples of it (as scripts/train.py).
   """
+  training.LENGTH_QUANTUM = length_quantum
   encoder_dim = target_model.emb_dim if encoder_dim is None else encoder_dim
   if encoder_dim != target_model.emb_dim:
     raise ValueError(f'encoder_dim {encoder_dim} differs from the target emb_dim '

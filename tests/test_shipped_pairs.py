@@ -17,10 +17,21 @@ sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
 import gin_flags  # noqa: E402
 import jaxspec.configurables  # noqa: E402,F401  (registers the dataclasses with gin)
+from jaxspec.checkpoints import shared_encoder_draft as shared_encoder_draft_checkpoints  # noqa: E402
 from jaxspec.checkpoints.t5x import load_t5x_checkpoint  # noqa: E402
 
-TASKS = {'ende': 'bleu', 'docsum': 'rouge1'}
-MODELS = {'target': 9.92e6, 'draft_small': 0.81e6, 'draft_base': 2.80e6}  # parameters
+# Main job (configs/infer/<name>.gin) -> its metric.
+MAIN_JOBS = {'ende_local': 'bleu', 'docsum_local': 'rouge1', 'ende45m_local': 'bleu'}
+# Shipped checkpoint (checkpoints/<path>) -> its gin model (gin/models/) and parameters.
+CHECKPOINTS = {
+    f'{pair}/{model}': (f'local_{model}', count)
+    for pair in ('ende', 'docsum')
+    for model, count in (('target', 9.92e6), ('draft_small', 0.81e6), ('draft_base', 2.80e6))
+} | {
+    'ende45m/target': ('local_target_45m', 41.86e6),
+    'ende45m/draft_small': ('local_draft_small', 0.81e6),
+    'ende45m/draft_base': ('local_draft_base', 2.80e6),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -30,25 +41,38 @@ def _unlocked_gin():
   gin.clear_config()
 
 
-@pytest.mark.parametrize('task', sorted(TASKS))
-@pytest.mark.parametrize('model', sorted(MODELS))
-def test_shipped_checkpoint_loads_under_its_model_definition(task, model):
-  gin_flags.parse([f'--gin_file=gin/models/local_{model}.gin'])
+def _parameter_count(params) -> int:
+  return sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
+
+
+@pytest.mark.parametrize('path', sorted(CHECKPOINTS))
+def test_shipped_checkpoint_loads_under_its_model_definition(path):
+  model, expected = CHECKPOINTS[path]
+  gin_flags.parse([f'--gin_file=gin/models/{model}.gin'])
   config = gin.query_parameter('%MODEL').scoped_configurable_fn()
-  params = load_t5x_checkpoint(os.path.join(REPO, 'checkpoints', task, model), config)
-  count = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
-  assert round(count / 1e4) == round(MODELS[model] / 1e4), count
+  params = load_t5x_checkpoint(os.path.join(REPO, 'checkpoints', path), config)
+  assert round(_parameter_count(params) / 1e4) == round(expected / 1e4), _parameter_count(params)
 
 
-@pytest.mark.parametrize('task', sorted(TASKS))
-def test_main_job_on_the_shipped_pair(task, tmp_path):
+def test_shipped_encoder_sharing_draft_loads_over_the_45m_target():
+  gin_flags.parse(['--gin_file=gin/models/local_shared_encoder_draft.gin'])
+  config = gin.query_parameter('shared_encoder_draft/jaxspec.T5Config').scoped_configurable_fn()
+  params = shared_encoder_draft_checkpoints.load(
+      os.path.join(REPO, 'checkpoints', 'ende45m', 'draft_shared_encoder'), config,
+      encoder_dim=512)
+  assert params['encoder_projection']['kernel'].shape == (512, config.emb_dim)
+  assert round(_parameter_count(params) / 1e4) == round(0.71e6 / 1e4)
+
+
+@pytest.mark.parametrize('name', sorted(MAIN_JOBS))
+def test_main_job_on_the_shipped_pair(name, tmp_path):
   # As users run it: the launcher in a process of its own (in the suite's long-lived
   # process, XLA:CPU once crashed compiling this job after hundreds of other programs).
-  subprocess.run([sys.executable, 'scripts/infer.py', f'--gin_file=configs/infer/{task}_local.gin',
+  subprocess.run([sys.executable, 'scripts/infer.py', f'--gin_file=configs/infer/{name}.gin',
                   '--gin.infer.num_examples=3', f"--gin.infer.output_dir='{tmp_path}'"],
                  cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=900)
   summary = json.loads((tmp_path / 'summary.json').read_text())
   assert summary['examples'] == summary['identical_outputs'] == 3
-  metric = TASKS[task]
+  metric = MAIN_JOBS[name]
   assert summary[f'baseline_{metric}'] == summary[f'speculative_{metric}']
   assert summary['tokens_per_target_call'] > 1.0  # The draft's tokens were accepted.
