@@ -50,7 +50,8 @@ from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter,
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.sampling import SamplingConfig
 
-DEFAULT_GIN_FILES = ('configs/benchmark/ende_local.gin', 'configs/benchmark/docsum_local.gin')
+DEFAULT_GIN_FILES = ('configs/benchmark/ende45m_local.gin', 'configs/benchmark/ende_local.gin',
+                     'configs/benchmark/docsum_local.gin')
 SECTIONS = ('alpha', 'costs', 'table2', 'sweep', 'batch', 'reference', 'options')
 # Drafters without weights, fitted on the task's training split (n-grams) or none.
 OTHER_DRAFTERS = {'unigram': UnigramDrafter, 'bigram': BigramDrafter,

@@ -1,7 +1,7 @@
 """Decodes a task split, or your own text, with the baseline and with speculative
 decoding, side by side.
 
-  python scripts/infer.py                                   # configs/infer/ende_local.gin
+  python scripts/infer.py                                   # configs/infer/ende45m_local.gin
   python scripts/infer.py --gin_file=configs/infer/ende_local.gin \
       --gin.infer.num_examples=100 --gin.TEMPERATURE=1.0
   python scripts/infer.py --input_file=my_text.txt          # one input a line
@@ -55,7 +55,7 @@ from jaxspec.decoding.speculative import (SpeculativeConfig, check_compatible,
 from jaxspec.model import abstract_params
 from jaxspec.sampling import SamplingConfig
 
-DEFAULT_GIN_FILE = 'configs/infer/ende_local.gin'
+DEFAULT_GIN_FILE = 'configs/infer/ende45m_local.gin'  # The pair on which speculation pays.
 DECODERS = ('baseline', 'speculative')
 
 for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter,

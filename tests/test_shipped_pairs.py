@@ -56,7 +56,9 @@ def test_shipped_checkpoint_loads_under_its_model_definition(path):
 
 def test_shipped_encoder_sharing_draft_loads_over_the_45m_target():
   gin_flags.parse(['--gin_file=gin/models/local_shared_encoder_draft.gin'])
-  config = gin.query_parameter('shared_encoder_draft/jaxspec.T5Config').scoped_configurable_fn()
+  with gin.unlock_config():
+    gin.parse_config('DRAFT = @shared_encoder_draft/jaxspec.T5Config()')
+  config = gin.query_parameter('%DRAFT').scoped_configurable_fn()
   params = shared_encoder_draft_checkpoints.load(
       os.path.join(REPO, 'checkpoints', 'ende45m', 'draft_shared_encoder'), config,
       encoder_dim=512)
