@@ -36,7 +36,7 @@ from jaxspec.config import T5Config
 from jaxspec.decoding import baseline
 from jaxspec.model import T5
 from jaxspec.sampling import MIN_TEMPERATURE, SamplingConfig
-from jaxspec.training import length_bucket
+from jaxspec.training import LENGTH_QUANTUM, length_bucket
 
 DIVERGENCES = ('forward_kl', 'reverse_kl', 'jsd', 'tvd')
 SOURCES = ('draft_samples', 'target_samples', 'target_greedy', 'references')
@@ -169,7 +169,8 @@ def step_key(seed: int, step: int):
   return jax.random.fold_in(jax.random.PRNGKey(seed), step)
 
 
-def sequences_batch(inputs, tokens, lengths) -> dict[str, np.ndarray]:
+def sequences_batch(inputs, tokens, lengths,
+                    quantum: int = LENGTH_QUANTUM) -> dict[str, np.ndarray]:
   """Decoded tokens [b, L] (0 after EOS), lengths [b] -> a training batch.
 
   Targets are cut to the length bucket of the longest row (`training.length_bucket`, so
@@ -177,7 +178,7 @@ def sequences_batch(inputs, tokens, lengths) -> dict[str, np.ndarray]:
   sampled token 0, which a `targets > 0` mask would drop.
   """
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-  length = min(length_bucket(int(lengths.max())), tokens.shape[1])
+  length = min(length_bucket(int(lengths.max()), quantum), tokens.shape[1])
   targets = tokens[:, :length]  # [b, t]
   mask = np.arange(length)[None, :] < lengths[:, None]  # [b, t]
   decoder_inputs = np.pad(targets[:, :-1], ((0, 0), (1, 0)))  # start token 0
@@ -192,7 +193,8 @@ def with_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def on_policy_batch(batch: dict[str, np.ndarray], source: str, rng, *, mix: DataMixConfig,
                     max_decode_length: int, draft_params, draft_config: T5Config, teacher_params,
-                    teacher_config: T5Config) -> dict[str, np.ndarray]:
+                    teacher_config: T5Config,
+                    quantum: int = LENGTH_QUANTUM) -> dict[str, np.ndarray]:
   """The training batch of one step: batch's inputs, targets from `source`.
 
   batch: a reference batch ('inputs' [b, s], 'targets' [b, t]); params are
@@ -209,7 +211,7 @@ def on_policy_batch(batch: dict[str, np.ndarray], source: str, rng, *, mix: Data
   output = baseline.generate(params, batch['inputs'], rng, config=config,
                              max_decode_length=max_decode_length,
                              sampling=SamplingConfig(temperature=temperature))
-  return sequences_batch(batch['inputs'], output.tokens, output.lengths)
+  return sequences_batch(batch['inputs'], output.tokens, output.lengths, quantum)
 
 
 # ---------------------------------------------------------------------------
@@ -227,7 +229,8 @@ def teacher_fingerprint(params, config: T5Config, *details: Any) -> str:
 
 
 def greedy_targets(params, config: T5Config, input_ids: Sequence[Sequence[int]],
-                   max_decode_length: int, batch_size: int = 64) -> list[list[int]]:
+                   max_decode_length: int, batch_size: int = 64,
+                   quantum: int = LENGTH_QUANTUM) -> list[list[int]]:
   """The teacher's greedy output for each input, through its EOS (or max_decode_length
   tokens when it never ends). params: {'params': tree}.
 
@@ -238,7 +241,7 @@ def greedy_targets(params, config: T5Config, input_ids: Sequence[Sequence[int]],
   outputs: list[list[int]] = [[] for _ in input_ids]
   for start in range(0, len(order), batch_size):
     rows = order[start:start + batch_size]
-    width = length_bucket(max(len(input_ids[i]) for i in rows))
+    width = length_bucket(max(len(input_ids[i]) for i in rows), quantum)
     inputs = np.zeros((batch_size, width), np.int32)  # [b, s]
     for slot, index in enumerate(rows):
       inputs[slot, :len(input_ids[index])] = input_ids[index]

@@ -77,14 +77,12 @@ def _cached_optimizer(config: OptimizerConfig, num_steps: int) -> optax.Gradient
   return optax.chain(optax.clip_by_global_norm(config.clip_norm), core)
 
 
-def length_bucket(length: int, quantum: int | None = None) -> int:
+def length_bucket(length: int, quantum: int = LENGTH_QUANTUM) -> int:
   """The padded length of a batch side: a multiple of quantum up to 4 quanta, then the
   next of 6, 8, 12, 16, 24, ... quanta, so long inputs compile a few shapes, not dozens.
-
-  quantum: LENGTH_QUANTUM when None (scripts/train.py sets it from train.length_quantum:
-  on an accelerator one quantum as long as the inputs compiles a single shape).
+  Each bucket compiles once: on CPU short buckets save work, on an accelerator (where
+  padding is free and a compile is slow) a quantum as long as the inputs gives one shape.
   """
-  quantum = LENGTH_QUANTUM if quantum is None else quantum
   bucket = max(quantum, -(-length // quantum) * quantum)
   if bucket <= 4 * quantum:
     return bucket
@@ -94,14 +92,15 @@ def length_bucket(length: int, quantum: int | None = None) -> int:
   return size
 
 
-def pad_batch(pairs: Sequence[tuple[list[int], list[int]]]) -> dict[str, np.ndarray]:
+def pad_batch(pairs: Sequence[tuple[list[int], list[int]]],
+              quantum: int = LENGTH_QUANTUM) -> dict[str, np.ndarray]:
   """(input ids, target ids) pairs -> {'inputs', 'targets', 'decoder_inputs'} [b, len].
 
   Each side is padded with 0 to its length bucket (`length_bucket`); decoder inputs are the
   targets shifted right behind the start token 0.
   """
-  input_length = length_bucket(max(len(p[0]) for p in pairs))
-  target_length = length_bucket(max(len(p[1]) for p in pairs))
+  input_length = length_bucket(max(len(p[0]) for p in pairs), quantum)
+  target_length = length_bucket(max(len(p[1]) for p in pairs), quantum)
   inputs = np.zeros((len(pairs), input_length), np.int32)
   targets = np.zeros((len(pairs), target_length), np.int32)
   for row, (input_ids, target_ids) in enumerate(pairs):
@@ -112,7 +111,8 @@ def pad_batch(pairs: Sequence[tuple[list[int], list[int]]]) -> dict[str, np.ndar
 
 
 def epoch_batches(pairs: Sequence[tuple[list[int], list[int]]], batch_size: int,
-                  seed: int, epoch: int) -> list[dict[str, np.ndarray]]:
+                  seed: int, epoch: int,
+                  quantum: int = LENGTH_QUANTUM) -> list[dict[str, np.ndarray]]:
   """One epoch of batches in a deterministic order fixed by (seed, epoch).
 
   Examples of similar length share a batch (sorted within shuffled chunks), which
@@ -124,16 +124,18 @@ def epoch_batches(pairs: Sequence[tuple[list[int], list[int]]], batch_size: int,
   for start in range(0, len(order), chunk):
     block = sorted(order[start:start + chunk], key=lambda i: (len(pairs[i][1]), len(pairs[i][0])))
     for offset in range(0, len(block) - batch_size + 1, batch_size):
-      batches.append(pad_batch([pairs[i] for i in block[offset:offset + batch_size]]))
+      batches.append(pad_batch([pairs[i] for i in block[offset:offset + batch_size]],
+                               quantum))
   np.random.RandomState([seed, epoch, 1]).shuffle(batches)
   return batches
 
 
-def batch_stream(pairs, batch_size: int, seed: int, start_step: int = 0) -> Iterator[dict]:
+def batch_stream(pairs, batch_size: int, seed: int, start_step: int = 0,
+                 quantum: int = LENGTH_QUANTUM) -> Iterator[dict]:
   """Batches forever, resuming exactly at `start_step` (same order as an unbroken run)."""
   epoch, step = 0, 0
   while True:
-    batches = epoch_batches(pairs, batch_size, seed, epoch)
+    batches = epoch_batches(pairs, batch_size, seed, epoch, quantum)
     if not batches:
       raise ValueError(f'fewer examples ({len(pairs)}) than one batch ({batch_size})')
     for batch in batches:

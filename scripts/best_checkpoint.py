@@ -14,16 +14,13 @@ import argparse
 import json
 import os
 
-
-def kept_steps(run_dir: str) -> list[int]:
-  """The steps of the checkpoint_<step> directories in run_dir, ascending."""
-  return sorted(int(name.split('_')[1]) for name in os.listdir(run_dir)
-                if name.startswith('checkpoint_') and name.split('_')[1].isdigit())
+from jaxspec.checkpoints.t5x import checkpoint_steps
 
 
 def best_step(run_dir: str, metric: str, mode: str) -> int:
-  """The kept step whose logged `metric` is lowest (mode 'min') or highest ('max')."""
-  steps = kept_steps(run_dir)
+  """The kept step whose logged `metric` is lowest (mode 'min') or highest ('max'); of
+  equal scores the latest."""
+  steps = checkpoint_steps(run_dir)
   if not steps:
     raise FileNotFoundError(f'{run_dir} holds no checkpoint_<step> directory')
   log_file = os.path.join(run_dir, 'train_log.jsonl')
@@ -37,7 +34,7 @@ def best_step(run_dir: str, metric: str, mode: str) -> int:
   if not scores:
     return steps[-1]
   pick = min if mode == 'min' else max
-  return pick(scores, key=lambda step: (scores[step], step if mode == 'max' else -step))
+  return pick(sorted(scores, reverse=True), key=scores.get)  # Ties: the first, the latest.
 
 
 def main():

@@ -82,9 +82,7 @@ def _save(checkpoint_dir: str, params, opt_state, step: int, keep: int):
   _atomic_write(os.path.join(checkpoint_dir, f'optimizer_{step}.msgpack'),
                 flax.serialization.to_bytes(jax.device_get(opt_state)))
   t5x_checkpoints.save_t5x_checkpoint(checkpoint_dir, jax.device_get(params), step)
-  steps = sorted(int(n.split('_')[1]) for n in os.listdir(checkpoint_dir)
-                 if n.startswith('checkpoint_') and n.split('_')[1].isdigit())
-  for old in steps[:-keep]:
+  for old in t5x_checkpoints.checkpoint_steps(checkpoint_dir)[:-keep]:
     import shutil
     shutil.rmtree(os.path.join(checkpoint_dir, f'checkpoint_{old}'), ignore_errors=True)
     optimizer_file = os.path.join(checkpoint_dir, f'optimizer_{old}.msgpack')
@@ -101,7 +99,8 @@ def _evaluate(params, batches, config: T5Config):
 
 
 def _sequence_kd_pairs(train_pairs, teacher_params, teacher_model: T5Config,
-                       target_length: int, cache_dir: str | None, batch_size: int):
+                       target_length: int, cache_dir: str | None, batch_size: int,
+                       quantum: int):
   """train_pairs with every target replaced by the teacher's greedy output.
 
   Decoded once; with a cache_dir, kept there under the fingerprint of the teacher's
@@ -120,7 +119,7 @@ def _sequence_kd_pairs(train_pairs, teacher_params, teacher_model: T5Config,
       return [(inputs, row.tolist()) for inputs, row in zip(input_ids, targets)]
   started = time.time()
   targets = distillation.greedy_targets({'params': teacher_params}, teacher_model, input_ids,
-                                        target_length, batch_size)
+                                        target_length, batch_size, quantum)
   print(f'teacher greedy targets for {len(targets)} inputs in {time.time() - started:.0f} s',
         flush=True)
   if cache_file:
@@ -193,11 +192,9 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
   alpha_tokens: with a teacher, the validation alpha at temperatures 0 and 1 is logged
     every eval_every steps over about this many of the teacher's output tokens for
     alpha_split's inputs (0: never).
-  length_quantum: batches are padded to multiples of it (jaxspec.training.length_bucket).
-    Each padded shape compiles once: on CPU short buckets save time, on an accelerator
-    input_length (one shape) does.
+  length_quantum: batches (training, evaluation, decoded targets) are padded to its
+    length buckets (jaxspec.training.length_bucket); on an accelerator input_length.
   """
-  training.LENGTH_QUANTUM = length_quantum
   os.makedirs(checkpoint_dir, exist_ok=True)
   with open(os.path.join(checkpoint_dir, 'config.gin'), 'w') as f:
     f.write(gin.operative_config_str())
@@ -218,10 +215,11 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
                                max_train_examples)
   if sequence_kd:
     train_pairs = _sequence_kd_pairs(train_pairs, teacher_params, teacher_model,
-                                     target_length, sequence_kd_cache_dir, batch_size)
+                                     target_length, sequence_kd_cache_dir, batch_size,
+                                     length_quantum)
   eval_batches = training.epoch_batches(
       _encoded_pairs(corpus, 'validation', vocab, input_length, target_length, eval_examples),
-      batch_size, seed, 0)
+      batch_size, seed, 0, length_quantum)
   alpha_samples = None
   if teacher_params is not None and alpha_tokens > 0:
     alpha_samples = _alpha_samples(teacher_params, teacher_model, corpus, alpha_split, vocab,
@@ -264,7 +262,8 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
   soft_teacher = teacher_params if loss.distill_weight > 0 else None
   if start == 0 and alpha_samples is not None:
     evaluate(0)  # Where the draft starts from.
-  stream = training.batch_stream(train_pairs, batch_size, seed, start_step=start)
+  stream = training.batch_stream(train_pairs, batch_size, seed, start_step=start,
+                                 quantum=length_quantum)
   started, window_tokens, metrics, sources = time.time(), 0.0, None, {}
   for step in range(start, num_steps):
     batch = next(stream)
@@ -279,7 +278,7 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
           batch, source, distillation.step_key(seed, step), mix=data_mix,
           max_decode_length=target_length, draft_params={'params': params},
           draft_config=model, teacher_params={'params': teacher_params},
-          teacher_config=teacher_model)
+          teacher_config=teacher_model, quantum=length_quantum)
       params, opt_state, metrics = distillation.distill_step(
           params, opt_state, batch, teacher_params, config=model,
           teacher_config=teacher_model, optimizer=tx, divergence=divergence)

@@ -62,9 +62,8 @@ def train_shared_encoder_draft(
   encoder_dim: the target's emb_dim (the default); the draft projects it to its own
   width when they differ. init_from_target_decoder: start from the target's decoder
   (same width and decoder shape only) instead of a random initialization.
-  length_quantum: batches are padded to multiples of it (as scripts/train.py).
+  length_quantum: batches are padded to its length buckets (as scripts/train.py).
   """
-  training.LENGTH_QUANTUM = length_quantum
   encoder_dim = target_model.emb_dim if encoder_dim is None else encoder_dim
   if encoder_dim != target_model.emb_dim:
     raise ValueError(f'encoder_dim {encoder_dim} differs from the target emb_dim '
@@ -80,7 +79,7 @@ def train_shared_encoder_draft(
                                             target_length, max_train_examples)
   eval_batches = training.epoch_batches(
       train_script._encoded_pairs(corpus, 'validation', vocab, input_length, target_length,
-                                  eval_examples), batch_size, seed, 0)
+                                  eval_examples), batch_size, seed, 0, length_quantum)
   tx = training.make_optimizer(optimizer, num_steps)
   target_params = inference.load_model_params(target_checkpoint, target_model)
 
@@ -107,7 +106,8 @@ def train_shared_encoder_draft(
         f'(width {encoder_dim}), {len(train_pairs)} training examples, '
         f'steps {start}..{num_steps}', flush=True)
 
-  stream = training.batch_stream(train_pairs, batch_size, seed, start_step=start)
+  stream = training.batch_stream(train_pairs, batch_size, seed, start_step=start,
+                                 quantum=length_quantum)
   started, window_tokens = time.time(), 0.0
   for step in range(start, num_steps):
     params, opt_state, metrics = shared_encoder_training.train_step(

@@ -265,12 +265,16 @@ def _local_location(directory: str) -> CheckpointLocation | None:
   return None
 
 
+def checkpoint_steps(directory) -> list[int]:
+  """The steps of the checkpoint_<step> subdirectories of a local directory, ascending."""
+  return sorted(int(match.group(1)) for name in os.listdir(directory)
+                if (match := _STEP_DIR.fullmatch(name)))
+
+
 def _latest_local_checkpoint(directory: str) -> CheckpointLocation | None:
   """The checkpoint_<step> subdirectory holding a checkpoint with the largest step."""
-  steps = sorted(((int(match.group(1)), name) for name in os.listdir(directory)
-                  if (match := _STEP_DIR.fullmatch(name))), reverse=True)
-  for _, name in steps:
-    location = _local_location(os.path.join(directory, name))
+  for step in reversed(checkpoint_steps(directory)):
+    location = _local_location(os.path.join(directory, f'checkpoint_{step}'))
     if location is not None:
       return location
   return None
