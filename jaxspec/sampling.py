@@ -219,3 +219,26 @@ def speculative_verdict(rng, draft_tokens, draft_probs, target_probs,
                             None if raw_target_probs is None else raw_target_probs[:, :gamma])
   return Verdict(num_accepted=num_accepted, next_token=next_token,
                  accept_probability=accept_prob, overlap=overlap)
+
+
+def greedy_verdict(draft_tokens, draft_probs, target_logits, num_drafts=None) -> Verdict:
+  """speculative_verdict at temperature 0 (lenience 1), from the target's argmax alone.
+
+  draft_tokens [b, g]; draft_probs [b, g, v]; target_logits [b, g+1, v]; num_drafts [b]
+  or None. With p one-hot at t = argmax, the accept probability min(1, p(x)/q(x)) is
+  1 when x == t and 0 otherwise, and after a rejection the residual max(0, p - q) is
+  p itself: the outcome equals speculative_verdict's on standardize(...) for any q,
+  without building [b, g+1, v] one-hots, residuals or random draws.
+  """
+  gamma = draft_tokens.shape[1]
+  target_tokens = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [b, g+1]
+  accept = draft_tokens == target_tokens[:, :gamma]  # [b, g]
+  masked_probs = mask_unproposed(draft_probs, num_drafts)
+  if num_drafts is not None:
+    accept &= jnp.arange(gamma)[None, :] < num_drafts[:, None]
+  num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)  # [b]
+  next_token = jnp.take_along_axis(target_tokens, num_accepted[:, None], axis=1)[:, 0]
+  # sum_x min(p, q) with p one-hot at t is q(t).
+  overlap = gather_probs(masked_probs, target_tokens[:, :gamma])
+  return Verdict(num_accepted=num_accepted, next_token=next_token,
+                 accept_probability=accept.astype(jnp.float32), overlap=overlap)

@@ -699,3 +699,36 @@ def test_negative_control_buggy_sampler_fails_target_test(bug):
   np.testing.assert_allclose(buggy_joint.sum(), 1.0, rtol=1e-12)
   counts = np.random.default_rng(14).multinomial(NUM_ROWS, buggy_joint.ravel())
   assert_rejected(counts, target_joint(toy_models()[0]))
+
+
+@pytest.mark.parametrize('seed', range(4))
+@pytest.mark.parametrize('one_hot_q', [True, False])
+@pytest.mark.parametrize('with_num_drafts', [False, True])
+def test_greedy_verdict_equals_speculative_verdict_at_temperature_zero(seed, one_hot_q,
+                                                                      with_num_drafts):
+  """The argmax shortcut the loop takes at temperature 0 decides as Algorithm 1 does on
+  standardized (one-hot) p, for one-hot or arbitrary q, with or without adaptive gamma;
+  ties in the logits included (the first maximum wins in both)."""
+  batch, gamma, vocab = 64, 4, 5
+  keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+  logits = jnp.round(jax.random.normal(keys[0], (batch, gamma + 1, vocab)))  # many ties
+  target_tokens = jnp.argmax(logits, axis=-1)
+  # Drafts that agree with the argmax at the first positions most of the time.
+  agree = jax.random.uniform(keys[1], (batch, gamma)) < 0.7
+  drafts = jnp.where(agree, target_tokens[:, :gamma],
+                     jax.random.randint(keys[2], (batch, gamma), 0, vocab)).astype(jnp.int32)
+  if one_hot_q:
+    draft_probs = jax.nn.one_hot(drafts, vocab)
+  else:
+    draft_probs = jax.nn.softmax(jax.random.normal(keys[3], (batch, gamma, vocab)), axis=-1)
+  num_drafts = (jax.random.randint(keys[4], (batch,), 1, gamma + 1) if with_num_drafts
+                else None)
+  greedy = SamplingConfig(temperature=0.0)
+  expected = sampling.speculative_verdict(
+      jax.random.PRNGKey(seed + 100), drafts, draft_probs,
+      sampling.standardize(logits, greedy), num_drafts=num_drafts)
+  shortcut = sampling.greedy_verdict(drafts, draft_probs, logits, num_drafts)
+  np.testing.assert_array_equal(shortcut.num_accepted, expected.num_accepted)
+  np.testing.assert_array_equal(shortcut.next_token, expected.next_token)
+  np.testing.assert_allclose(shortcut.overlap, expected.overlap, atol=1e-6)
+  assert 0 < int(jnp.sum(shortcut.num_accepted)) < batch * gamma  # both outcomes occur

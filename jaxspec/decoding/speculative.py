@@ -30,7 +30,7 @@ from jaxspec.decoding import common
 from jaxspec.decoding.drafter import (DraftContext, Drafter, draw_tokens, init_drafter_state,
                                       propose_with_confidence)
 from jaxspec.model import T5, DecoderCache, rollback
-from jaxspec.sampling import (SamplingConfig, gather_probs, mask_unproposed,
+from jaxspec.sampling import (SamplingConfig, gather_probs, greedy_verdict, mask_unproposed,
                               nonfinite_logits, speculative_verdict, standardize)
 
 VERIFICATIONS = ('token', 'block')
@@ -149,6 +149,11 @@ def _num_drafts(confidence, threshold: float):
   return jnp.minimum(first_unsure + 1, gamma).astype(jnp.int32)
 
 
+def _argmax_verdict(spec: SpeculativeConfig, sampling: SamplingConfig) -> bool:
+  """Whether the verdict is sampling.greedy_verdict (exact token-wise, temperature 0)."""
+  return sampling.is_greedy and spec.lenience == 1.0 and spec.verification == 'token'
+
+
 def _verdict(keys, drafts, draft_probs, target_logits, target_probs, num_drafts, *,
              spec: SpeculativeConfig, sampling: SamplingConfig):
   """The accept step of every row: keys [b], drafts [b, g], q [b, g, v], logits and p
@@ -159,6 +164,8 @@ def _verdict(keys, drafts, draft_probs, target_logits, target_probs, num_drafts,
             k, d[None], q[None], p[None], None if n is None else n[None])),
         in_axes=(0, 0, 0, 0, None if num_drafts is None else 0))(
             keys, drafts, draft_probs, target_probs, num_drafts)
+  if _argmax_verdict(spec, sampling):
+    return greedy_verdict(drafts, draft_probs, target_logits, num_drafts)
   raw_target_probs = None
   if sampling.is_greedy and spec.lenience < 1.0:
     raw_target_probs = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
@@ -240,7 +247,8 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
   target_cache = rollback(state.target_cache, state.length)
   logits, target_cache = model.apply(target_params, verify_tokens, target_cache,
                                      method=T5.decode)  # [b, g+1, v]
-  target_probs = standardize(logits, sampling)
+  # [b, g+1, v]; the token-wise verdict at temperature 0 needs only the argmax.
+  target_probs = None if _argmax_verdict(spec, sampling) else standardize(logits, sampling)
   verdict = _verdict(verdict_keys, drafts, draft_probs, logits, target_probs, num_drafts,
                      spec=spec, sampling=sampling)
   n = verdict.num_accepted  # [b]
