@@ -1,5 +1,5 @@
 """Decodes a task split, or your own text, with the baseline and with speculative
-decoding, side by side.
+decoding, side by side; or with beam search and speculative beam search.
 
   python scripts/infer.py                                   # configs/infer/ende45m_local.gin
   python scripts/infer.py --gin_file=configs/infer/ende_local.gin \
@@ -10,10 +10,13 @@ decoding, side by side.
   python scripts/infer.py --gin_file=configs/table2/ende_small_t0.gin \
       --gin.infer.target_checkpoint="'gs://BUCKET/xxl/checkpoint_N'" \
       --gin.infer.draft_checkpoint="'gs://BUCKET/small/checkpoint_N'"   # a paper row
+  python scripts/infer.py --gin_file=configs/infer/ende45m_beam.gin \
+      --gin.NUM_BEAMS=4 --gin.DRAFT_BEAMS=8       # beam and speculative beam search
 
 T5X-style flags (--gin_file, --gin.NAME=VALUE, --gin_bindings, --gin_search_paths).
 Every setting is checked before anything is loaded. Writes <output_dir>/<decoder>.jsonl
-(one record per example: inputs, targets, prediction, per-example stats) under an
+(one record per example: inputs, targets, prediction, per-example stats; the beam
+decoders add the best beam's score and every beam's tokens and score) under an
 exclusive lock, with the settings that produced them (settings.json); resumes after
 an interruption without redoing or losing finished examples, refuses an output_dir
 holding other settings' records (or, with on_settings_change='new_dir', writes beside
@@ -46,17 +49,22 @@ from jaxspec import partitioning as partitioning_lib
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
 from jaxspec.decoding.baseline import generate
+from jaxspec.decoding.beam_search import BeamConfig, generate_beam
 from jaxspec.checkpoints import shared_encoder_draft as shared_encoder_checkpoints
 from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter,
                                        SharedEncoderDrafter, T5Drafter, UnigramDrafter,
                                        fit_bigram, fit_unigram)
 from jaxspec.decoding.speculative import (SpeculativeConfig, check_compatible,
                                           speculative_generate)
+from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
 from jaxspec.model import abstract_params
 from jaxspec.sampling import SamplingConfig
 
 DEFAULT_GIN_FILE = 'configs/infer/ende45m_local.gin'  # The pair on which speculation pays.
-DECODERS = ('baseline', 'speculative')
+SAMPLING_DECODERS = ('baseline', 'speculative')  # Decode under `sampling`.
+BEAM_DECODERS = ('beam', 'speculative_beam')  # Beam search under `beam`, deterministic.
+DECODERS = SAMPLING_DECODERS + BEAM_DECODERS
+DRAFTING_DECODERS = ('speculative', 'speculative_beam')  # Those that load the drafter.
 
 for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter,
                  SharedEncoderDrafter):
@@ -152,11 +160,42 @@ def encode_inputs(rows, input_length, overlong_inputs):
   return inputs
 
 
-def _speculative_record_stats(stats, row: int) -> dict:
-  return {'target_calls': int(stats.row_target_calls[row]),
+def _sampled_fields(output, row: int) -> dict:
+  """A baseline record's output: the row's tokens through EOS."""
+  return {'tokens': inference.trim_at_eos(np.asarray(output.tokens[row]), EOS_ID)}
+
+
+def _speculative_fields(output, row: int) -> dict:
+  stats = output.stats
+  return {**_sampled_fields(output.output, row),
+          'target_calls': int(stats.row_target_calls[row]),
           'batch_overlap_sum': float(stats.overlap_sum),
           'batch_verified_positions': int(stats.verified_positions),
           'batch_accepted_per_position': np.asarray(stats.accepted_per_position).tolist()}
+
+
+def _beam_fields(output, row: int) -> dict:
+  """A beam record's output: the best beam (the last; T5X sorts ascending) as tokens
+  and score, every beam's tokens and score (best last), and the batch's target calls:
+  one per search step (the batch's rows advance in lockstep, as in T5X)."""
+  beams = [inference.trim_at_eos(np.asarray(tokens), EOS_ID) for tokens in output.tokens[row]]
+  scores = [float(score) for score in np.asarray(output.scores[row])]
+  return {'tokens': beams[-1], 'score': scores[-1], 'beam_tokens': beams,
+          'beam_scores': scores, 'batch_search_steps': int(output.steps),
+          'batch_target_calls': int(output.steps)}
+
+
+def _speculative_beam_fields(output, row: int) -> dict:
+  """_beam_fields of the speculative output, with its batch's target and draft calls
+  and how many calls advanced 0, 1, ..., gamma + 1 search steps."""
+  stats = output.stats
+  return {**_beam_fields(output.output, row), 'batch_target_calls': int(stats.target_calls),
+          'batch_draft_calls': int(stats.draft_calls),
+          'batch_calls_by_steps_advanced': np.asarray(stats.steps_per_call).tolist()}
+
+
+RECORD_FIELDS = {'baseline': _sampled_fields, 'speculative': _speculative_fields,
+                 'beam': _beam_fields, 'speculative_beam': _speculative_beam_fields}
 
 
 def _run_decoder(name, decode, batches, examples, vocab, writer, progress_position,
@@ -170,19 +209,17 @@ def _run_decoder(name, decode, batches, examples, vocab, writer, progress_positi
   for indices in tqdm.tqdm(pending, desc=name, unit='batch', position=progress_position,
                            file=sys.stderr):
     output, seconds = inference.timed(decode, indices)
-    result = output if name == 'baseline' else output.output
+    output = jax.device_get(output)
     records = []
     for row, index in enumerate(indices):
-      tokens = inference.trim_at_eos(np.asarray(result.tokens[row]), EOS_ID)
+      fields = RECORD_FIELDS[name](output, row)
       record = {'index': index, 'inputs': examples[index]['inputs'],
                 'targets': examples[index]['targets'],
-                'prediction': vocab.decode(tokens), 'tokens': tokens,
+                'prediction': vocab.decode(fields['tokens']), **fields,
                 'batch_start': indices[0], 'batch_seconds': seconds,
                 'fingerprint': fingerprint}
       if 'line' in examples[index]:
         record['line'] = examples[index]['line']
-      if name == 'speculative':
-        record.update(_speculative_record_stats(output.stats, row))
       records.append(record)
     writer.append(records)
 
@@ -194,12 +231,52 @@ def task_scores(metric, targets, predictions) -> dict:
   return metrics.rouge(targets, predictions)
 
 
-def summarize(task, metric, draft_name, sampling, spec, writers, indices) -> dict:
+def _batch_total(records, key) -> float:
+  """The sum of a per-batch field over the batches `records` come from."""
+  return sum(r[key] for r in {r['batch_start']: r for r in records}.values())
+
+
+def beam_comparison(beam_records, speculative_records) -> dict:
+  """Speculative beam search against beam search over the same examples: target calls
+  (per output token of the best beam), search steps per target call, and how many
+  examples agree in every beam's tokens, and in tokens AND scores (exact float
+  equality; the largest score difference is given beside)."""
+  tokens = sum(len(r['tokens']) for r in beam_records)
+  calls = {name: _batch_total(records, 'batch_target_calls')
+           for name, records in (('beam', beam_records),
+                                 ('speculative_beam', speculative_records))}
+  same_tokens = [a['beam_tokens'] == b['beam_tokens']
+                 for a, b in zip(beam_records, speculative_records)]
+  same_scores = [a['beam_scores'] == b['beam_scores']
+                 for a, b in zip(beam_records, speculative_records)]
+  differences = [abs(x - y) for a, b in zip(beam_records, speculative_records)
+                 for x, y in zip(a['beam_scores'], b['beam_scores'])]
+  return {
+      'beam_target_calls': calls['beam'],
+      'speculative_beam_target_calls': calls['speculative_beam'],
+      'beam_target_calls_per_token': calls['beam'] / max(tokens, 1),
+      'speculative_beam_target_calls_per_token': calls['speculative_beam'] / max(tokens, 1),
+      'search_steps_per_target_call': (_batch_total(speculative_records, 'batch_search_steps')
+                                       / max(calls['speculative_beam'], 1)),
+      'identical_beam_tokens': sum(same_tokens),
+      'identical_beam_tokens_and_scores': sum(t and s for t, s in zip(same_tokens, same_scores)),
+      'max_beam_score_difference': max(differences, default=0.0)}
+
+
+def summarize(task, metric, draft_name, sampling, spec, writers, indices, beam=None,
+              speculative_beam=None) -> dict:
   """Table-2-style summary over `indices`, the examples asked for (a directory may
   hold more from an earlier, longer run with the same settings)."""
   common = sorted(set(indices).intersection(*(set(w.records) for w in writers.values())))
-  summary = {'task': task, 'draft': draft_name, 'temperature': sampling.temperature,
-             'gamma': spec.gamma, 'lenience': spec.lenience, 'examples': len(common)}
+  summary = {'task': task, 'draft': draft_name}
+  if set(writers) & set(SAMPLING_DECODERS):
+    summary.update(temperature=sampling.temperature, gamma=spec.gamma,
+                   lenience=spec.lenience)
+  if set(writers) & set(BEAM_DECODERS):
+    summary.update(num_beams=beam.num_beams, brevity_alpha=beam.alpha,
+                   draft_beams=speculative_beam.draft_width(beam.num_beams),
+                   beam_gamma=speculative_beam.gamma)
+  summary['examples'] = len(common)
   seconds = {}
   for name, writer in writers.items():
     records = [writer.records[i] for i in common]
@@ -218,11 +295,15 @@ def summarize(task, metric, draft_name, sampling, spec, writers, indices) -> dic
     summary['alpha'] = sum(b['batch_overlap_sum'] for b in batches.values()) / max(verified, 1)
     summary['tokens_per_target_call'] = (sum(len(r['tokens']) for r in records)
                                          / max(sum(r['target_calls'] for r in records), 1))
-  if len(seconds) == 2:
+  if 'baseline' in seconds and 'speculative' in seconds:
     summary['speedup'] = seconds['baseline'] / max(seconds['speculative'], 1e-9)
     summary['identical_outputs'] = sum(
         writers['baseline'].records[i]['tokens'] == writers['speculative'].records[i]['tokens']
         for i in common)
+  if 'beam' in seconds and 'speculative_beam' in seconds:
+    summary['beam_speedup'] = seconds['beam'] / max(seconds['speculative_beam'], 1e-9)
+    summary.update(beam_comparison([writers['beam'].records[i] for i in common],
+                                   [writers['speculative_beam'].records[i] for i in common]))
   return summary
 
 
@@ -234,13 +315,53 @@ def summary_markdown(summary: dict) -> str:
           + ' | '.join(fmt(summary[k]) for k in keys) + ' |\n')
 
 
+def check_beam_settings(*, target_model, drafter, decoders, max_decode_length, sampling,
+                        beam, speculative_beam, partitioning):
+  """The beam decoders' settings: w >= 1 beams, a finite alpha >= 0, a T5 draft with
+  u >= w draft beams and gamma steps that fit, and no sampling settings (beam search is
+  deterministic; they are refused rather than silently ignored)."""
+  if not isinstance(beam, BeamConfig):
+    raise TypeError(f'infer.beam must be a jaxspec.BeamConfig, got {type(beam).__name__}')
+  validation.check_integer('num_beams (jaxspec.BeamConfig.num_beams)', beam.num_beams, 1)
+  # should_continue's early stop bounds a live beam's best score by the largest brevity
+  # penalty, which holds for alpha >= 0 only.
+  validation.check_real('alpha (jaxspec.BeamConfig.alpha)', beam.alpha, 0.0)
+  if sampling != SamplingConfig(temperature=0.0):
+    raise ValueError(
+        f'infer.decoders {tuple(decoders)} include beam search, which is deterministic: '
+        f'the sampling settings {sampling} would be ignored. Leave TEMPERATURE, TOP_K and '
+        'TOP_P at their defaults (0.0, 0, 1.0) for beam runs, and sample in a separate run')
+  if partitioning is not None:
+    raise ValueError('the beam decoders run on one device: unset infer.partitioning')
+  if 'speculative_beam' not in decoders:
+    return
+  if not isinstance(speculative_beam, SpeculativeBeamConfig):
+    raise TypeError('infer.speculative_beam must be a jaxspec.SpeculativeBeamConfig, got '
+                    f'{type(speculative_beam).__name__}')
+  validation.check_integer('gamma (jaxspec.SpeculativeBeamConfig.gamma)',
+                           speculative_beam.gamma, 1)
+  validation.check_gamma(speculative_beam.gamma, max_decode_length)
+  validation.check_integer('draft_beams (jaxspec.SpeculativeBeamConfig.draft_beams)',
+                           speculative_beam.draft_beams, 0)
+  if speculative_beam.draft_width(beam.num_beams) < beam.num_beams:
+    raise ValueError(
+        f'draft_beams (jaxspec.SpeculativeBeamConfig.draft_beams) must be >= num_beams '
+        f'({beam.num_beams}), or 0 for twice the beams, got {speculative_beam.draft_beams}')
+  if not isinstance(drafter, T5Drafter):
+    raise ValueError(f'speculative beam search drafts with a T5 model: infer.drafter must be '
+                     f'a jaxspec.T5Drafter, got {type(drafter).__name__}')
+  check_compatible(target_model, drafter)
+
+
 def check_settings(*, target_model, drafter, decoders, batch_size, num_examples, input_length,
                    max_decode_length, sampling, speculative, seed, overlong_inputs,
-                   on_settings_change, corpus, split, seqio_task, input_file, input_field):
+                   on_settings_change, corpus, split, seqio_task, input_file, input_field,
+                   beam=BeamConfig(), speculative_beam=SpeculativeBeamConfig(),
+                   partitioning=None):
   """Every setting checked before anything is loaded, so a bad run fails in seconds
   with an error naming the setting."""
   unknown = set(decoders) - set(DECODERS)
-  if unknown or not decoders:
+  if unknown or not decoders or isinstance(decoders, str):
     raise ValueError(f'infer.decoders must name some of {DECODERS}, got {decoders!r}')
   validation.check_integer('infer.batch_size', batch_size, 1)
   if num_examples is not None:
@@ -271,6 +392,10 @@ def check_settings(*, target_model, drafter, decoders, batch_size, num_examples,
     validation.check_real('lenience (jaxspec.SpeculativeConfig.lenience)',
                           speculative.lenience, 0.0, 1.0, open_minimum=True)
     check_compatible(target_model, drafter)
+  if set(decoders) & set(BEAM_DECODERS):
+    check_beam_settings(target_model=target_model, drafter=drafter, decoders=decoders,
+                        max_decode_length=max_decode_length, sampling=sampling, beam=beam,
+                        speculative_beam=speculative_beam, partitioning=partitioning)
 
 
 def _param_bytes(config: T5Config) -> int:
@@ -278,37 +403,68 @@ def _param_bytes(config: T5Config) -> int:
   return sum(leaf.size for leaf in leaves) * np.dtype(config.param_dtype).itemsize
 
 
+def _decode_memory(name, *, target_model, draft_config, batch_size, input_length,
+                   max_decode_length, speculative, beam, speculative_beam) -> tuple[int, str]:
+  """(estimated bytes of one decode call of decoder `name`, without parameters; what it
+  decodes, for the error message)."""
+  lengths = dict(input_length=input_length, max_decode_length=max_decode_length)
+  described = f'batches of {batch_size} with max_decode_length {max_decode_length}'
+  if name == 'baseline':
+    return (validation.decode_memory_bytes(target_model, batch=batch_size, **lengths),
+            f'decoding {described}')
+  if name == 'speculative':
+    return (validation.decode_memory_bytes(target_model, batch=batch_size,
+                                           gamma=speculative.gamma, draft_config=draft_config,
+                                           **lengths),
+            f'decoding {described} and gamma {speculative.gamma}')
+  if name == 'beam':
+    return (validation.decode_memory_bytes(target_model, batch=batch_size * beam.num_beams,
+                                           **lengths),
+            f'beam search with {beam.num_beams} beams over {described}')
+  # The target scores the draft tree's w + gamma * u rows of gamma + 1 positions.
+  gamma = speculative_beam.gamma
+  rows = beam.num_beams + gamma * speculative_beam.draft_width(beam.num_beams)
+  return (validation.decode_memory_bytes(target_model, batch=batch_size * rows, gamma=gamma,
+                                         draft_config=draft_config, **lengths),
+          f'speculative beam search ({rows} tree rows per example, gamma {gamma}) over '
+          f'{described}')
+
+
 def check_memory(target_model, drafter, decoders, batch_size, input_length,
-                 max_decode_length, speculative, partitioner):
+                 max_decode_length, speculative, partitioner, beam=BeamConfig(),
+                 speculative_beam=SpeculativeBeamConfig()):
   """Refuses settings whose parameters, caches and attention scores cannot fit in the
-  memory of this process's devices, before any model is loaded."""
-  speculating = 'speculative' in decoders
-  draft_config = getattr(drafter, 'config', None) if speculating else None
+  memory of this process's devices, before any model is loaded (the decoders run one
+  after the other: the largest counts)."""
+  drafting = bool(set(decoders) & set(DRAFTING_DECODERS))
+  draft_config = getattr(drafter, 'config', None) if drafting else None
   if not isinstance(draft_config, T5Config):
     draft_config = None
-  needed = validation.decode_memory_bytes(
-      target_model, batch=batch_size, input_length=input_length,
-      max_decode_length=max_decode_length, gamma=speculative.gamma if speculating else 0,
-      draft_config=draft_config)
+  needed, described = max(
+      _decode_memory(name, target_model=target_model, draft_config=draft_config,
+                     batch_size=batch_size, input_length=input_length,
+                     max_decode_length=max_decode_length, speculative=speculative, beam=beam,
+                     speculative_beam=speculative_beam)
+      for name in decoders)
   needed += _param_bytes(target_model) + (_param_bytes(draft_config) if draft_config else 0)
   devices = None
   if partitioner:  # The mesh spreads batch and model over its devices.
     devices = [d for d in partitioner.mesh.devices.flat
                if d.process_index == jax.process_index()]
     needed //= max(partitioner.mesh.devices.size // len(devices), 1)
-  validation.check_decode_memory(
-      needed, validation.available_memory_bytes(devices),
-      f'decoding batches of {batch_size} with max_decode_length {max_decode_length}'
-      + (f' and gamma {speculative.gamma}' if speculating else ''))
+  validation.check_decode_memory(needed, validation.available_memory_bytes(devices), described)
 
 
 def run_settings(*, target_model, target_checkpoint, drafter, draft_checkpoint, task,
                  input_length, max_decode_length, batch_size, sampling, speculative, seed,
-                 overlong_inputs) -> dict:
+                 overlong_inputs, decoders=SAMPLING_DECODERS, beam=BeamConfig(),
+                 speculative_beam=SpeculativeBeamConfig()) -> dict:
   """Everything that changes the records: checkpoints (path and content), models,
-  drafter, sampling, gamma, the examples, lengths, batch size (timings) and seed.
-  Not the decoders run, num_examples (a prefix of the same examples; records are
-  checked against them) or the mesh."""
+  drafter, sampling, gamma, the examples, lengths, batch size (timings) and seed, and,
+  for runs with a beam decoder, the beam settings (w, alpha, u, gamma). Not the
+  decoders run (beyond whether a beam decoder is among them, so the sampling runs'
+  fingerprints stay as they were), num_examples (a prefix of the same examples;
+  records are checked against them) or the mesh."""
   uses_draft_checkpoint = (isinstance(drafter, (T5Drafter, SharedEncoderDrafter))
                            and draft_checkpoint)
   return inference.describe({
@@ -320,7 +476,9 @@ def run_settings(*, target_model, target_checkpoint, drafter, draft_checkpoint, 
       'examples': task.identity, 'input_length': input_length,
       'max_decode_length': max_decode_length, 'overlong_inputs': overlong_inputs,
       'batch_size': batch_size, 'sampling': sampling, 'speculative': speculative,
-      'seed': seed})
+      'seed': seed,
+      **({'beam': beam, 'speculative_beam': speculative_beam}
+         if set(decoders) & set(BEAM_DECODERS) else {})})
 
 
 def claim_output_dir(output_dir, settings, on_settings_change, partitioner):
@@ -375,7 +533,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
           input_length: int = 64, max_decode_length: int = 64, batch_size: int = 1,
           sampling: SamplingConfig = SamplingConfig(),
           speculative: SpeculativeConfig = SpeculativeConfig(),
-          decoders: tuple[str, ...] = DECODERS, seed: int = 0,
+          decoders: tuple[str, ...] = SAMPLING_DECODERS, beam: BeamConfig = BeamConfig(),
+          speculative_beam: SpeculativeBeamConfig = SpeculativeBeamConfig(), seed: int = 0,
           overlong_inputs: str = 'truncate', seqio_task: str | None = None,
           tfds_data_dir: str | None = None,
           partitioning: partitioning_lib.PartitioningConfig | None = None,
@@ -401,6 +560,9 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   view_examples: for the first N examples, a view of the speculative decode (every
   iteration's drafts marked accepted / rejected / corrected / bonus) printed to stderr
   with colours and written as <output_dir>/views/example_<i>.html.
+  decoders: some of 'baseline' and 'speculative' (decoding under `sampling` and
+  `speculative`), 'beam' and 'speculative_beam' (beam search under `beam`, the draft
+  proposing under `speculative_beam`; gin/decoding/beam.gin); one after the other.
   """
   check_settings(
       target_model=target_model, drafter=drafter, decoders=decoders, batch_size=batch_size,
@@ -408,12 +570,13 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
       max_decode_length=max_decode_length, sampling=sampling, speculative=speculative,
       seed=seed, overlong_inputs=overlong_inputs, on_settings_change=on_settings_change,
       corpus=corpus, split=split, seqio_task=seqio_task, input_file=input_file,
-      input_field=input_field)
+      input_field=input_field, beam=beam, speculative_beam=speculative_beam,
+      partitioning=partitioning)
   validation.check_integer('view_examples', view_examples, 0)
   # Multi-host initialization must come before anything touches a device.
   partitioner = partitioning_lib.create_partitioner(partitioning) if partitioning else None
   check_memory(target_model, drafter, decoders, batch_size, input_length, max_decode_length,
-               speculative, partitioner)
+               speculative, partitioner, beam, speculative_beam)
   if input_file is None:
     task = load_task(corpus, seqio_task, split, num_examples, tfds_data_dir)
   else:
@@ -425,7 +588,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
       target_model=target_model, target_checkpoint=target_checkpoint, drafter=drafter,
       draft_checkpoint=draft_checkpoint, task=task, input_length=input_length,
       max_decode_length=max_decode_length, batch_size=batch_size, sampling=sampling,
-      speculative=speculative, seed=seed, overlong_inputs=overlong_inputs)
+      speculative=speculative, seed=seed, overlong_inputs=overlong_inputs, decoders=decoders,
+      beam=beam, speculative_beam=speculative_beam)
   fingerprint = inference.settings_fingerprint(settings)
   output_dir, lock = claim_output_dir(output_dir, settings, on_settings_change, partitioner)
   try:
@@ -435,7 +599,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
         draft_name=draft_name, draft_checkpoint=draft_checkpoint,
         max_decode_length=max_decode_length, batch_size=batch_size, sampling=sampling,
         speculative=speculative, decoders=decoders, seed=seed, partitioner=partitioner,
-        own_text=input_file is not None, view_examples=view_examples)
+        own_text=input_file is not None, view_examples=view_examples, beam=beam,
+        speculative_beam=speculative_beam)
   finally:
     if lock is not None:
       lock.release()
@@ -444,14 +609,15 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
 def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model,
                           target_checkpoint, drafter, draft_name, draft_checkpoint,
                           max_decode_length, batch_size, sampling, speculative, decoders,
-                          seed, partitioner, own_text, view_examples=0) -> dict:
+                          seed, partitioner, own_text, view_examples=0, beam=BeamConfig(),
+                          speculative_beam=SpeculativeBeamConfig()) -> dict:
   """Loads the models, decodes what output_dir lacks and writes the summary."""
   examples, vocab = task.examples, task.vocab
   target_params = (partitioner.load_params(target_checkpoint, target_model) if partitioner
                    else inference.load_model_params(target_checkpoint, target_model,
                                                    for_decoding=True))
   params = (drafter_params(drafter, draft_checkpoint, task.corpus, vocab, max_decode_length,
-                           partitioner) if 'speculative' in decoders else None)
+                           partitioner) if set(decoders) & set(DRAFTING_DECODERS) else None)
   rng = jax.random.PRNGKey(seed)
 
   def row_keys(indices):  # A row's samples depend on its example, not its batch.
@@ -470,6 +636,13 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
           target_params, params, *pad_batch(idx), target_config=target_model,
           drafter=drafter, spec=speculative, max_decode_length=max_decode_length,
           sampling=sampling),
+      'beam': lambda idx: generate_beam(
+          target_params, pad_batch(idx)[0], config=target_model, beam=beam,
+          max_decode_length=max_decode_length),
+      'speculative_beam': lambda idx: speculative_beam_generate(
+          target_params, params, pad_batch(idx)[0], target_config=target_model,
+          draft_config=getattr(drafter, 'config', None), beam=beam, spec=speculative_beam,
+          max_decode_length=max_decode_length),
   }
   open_writer = inference.ResumableJsonl
   if partitioner:  # Outputs gathered to every host; only process 0 writes them.
@@ -501,7 +674,7 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   if partitioner and not partitioner.is_output_process:
     return {}
   summary = summarize(task.name, task.metric, draft_name, sampling, speculative, writers,
-                      range(len(examples)))
+                      range(len(examples)), beam, speculative_beam)
   summary['device'] = jax.devices()[0].device_kind
   summary['batch_size'] = batch_size
   if partitioner:
