@@ -18,7 +18,7 @@ import dataclasses
 
 from jaxspec.config import T5Config
 from jaxspec.decoding.drafter import DraftContext
-from jaxspec.decoding.t5_drafter import propose_from_decoder
+from jaxspec.decoding.t5_drafter import propose_from_decoder, propose_top_branches_from_decoder
 from jaxspec.model import T5
 from jaxspec.model.sharding import DRAFT
 from jaxspec.model.shared_encoder_draft import SharedEncoderDraft
@@ -65,6 +65,14 @@ class SharedEncoderDrafter:
                                                method=SharedEncoderDraft.decode)
     return propose_from_decoder(decode, state, context, gamma, sampling, keys)
 
+  def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
+                           num_branches: int):
+    """A greedy token tree for multi-draft verification (propose_top_branches_from_decoder)."""
+    model = self.model()
+    decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
+                                               method=SharedEncoderDraft.decode)
+    return propose_top_branches_from_decoder(decode, state, context, gamma, num_branches)
+
   def teacher_forced_logits(self, params, target_encoded, encoder_tokens, decoder_inputs):
     """Logits [b, t, v] at every position of decoder inputs [b, t] (shifted right)."""
     return self.model().apply(params, target_encoded, encoder_tokens, decoder_inputs)
@@ -103,6 +111,11 @@ class SharedEncoderDrafterWithTarget:
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys):
     return self.drafter.propose(params['draft'], state, context, gamma, sampling, keys)
+
+  def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
+                           num_branches: int):
+    return self.drafter.propose_top_branches(params['draft'], state, context, gamma,
+                                             num_branches)
 
   def teacher_forced_logits(self, params, encoder_tokens, decoder_inputs):
     """Logits [b, t, v] of the draft at every position, the target encoding once."""

@@ -9,6 +9,9 @@ Each iteration, for every row independently:
   4. d_1..d_n and the next token are committed (clipped at EOS and the max length);
      both caches are rolled back by index at their next use.
 
+With SpeculativeConfig.num_drafts = k > 1 steps 1-3 run on k branches of drafts
+verified in one tree-shaped target step (jaxspec/decoding/multi_draft.py).
+
 Before the loop one ordinary target step draws the first token, so every
 iteration starts with >= 1 committed token (the drafter's two-input first step needs
 x_{length-1}).
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxspec import block_verification, validation
 from jaxspec.config import EOS_ID, T5Config
-from jaxspec.decoding import common
+from jaxspec.decoding import common, multi_draft
 from jaxspec.decoding.drafter import (DraftContext, Drafter, draw_tokens, init_drafter_state,
                                       propose_with_confidence)
 from jaxspec.model import T5, DecoderCache, rollback
@@ -54,6 +57,13 @@ class SpeculativeConfig:
   # steps after every row stopped. 0 always drafts gamma. Exact for any threshold:
   # drafts a row did not propose are never accepted.
   draft_confidence_threshold: float = 0.0
+  # Multi-draft verification (jaxspec/decoding/multi_draft.py): k branches of gamma
+  # drafts per row, verified in ONE target step over a token tree of 1 + k * gamma
+  # positions. Sampling: k i.i.d. drafts and recursive rejection sampling (exact).
+  # Temperature 0: a top-k tree from T5 drafters (branch j starts with the draft's j-th
+  # choice); other drafters would propose k equal drafts and decode as with k = 1.
+  # 1 is Algorithm 1 unchanged. Token-wise, exact only, no adaptive gamma.
+  num_drafts: int = 1
 
   def __post_init__(self):
     if self.gamma < 1:
@@ -69,6 +79,18 @@ class SpeculativeConfig:
     if not 0.0 <= self.draft_confidence_threshold <= 1.0:
       raise ValueError('draft_confidence_threshold must be in [0, 1] (0 always drafts '
                        f'gamma), got {self.draft_confidence_threshold}')
+    if self.num_drafts < 1:
+      raise ValueError(f'num_drafts must be >= 1 (1 is a single draft), got {self.num_drafts}')
+    if self.num_drafts > 1:
+      unsupported = [name for name, value in (
+          ("verification='block'", self.verification == 'block'),
+          (f'lenience {self.lenience}', self.lenience != 1.0),
+          (f'draft_confidence_threshold {self.draft_confidence_threshold}',
+           self.draft_confidence_threshold > 0.0)) if value]
+      if unsupported:
+        raise ValueError(f'num_drafts {self.num_drafts} (multi-draft verification) supports '
+                         "exact token-wise verification with a fixed gamma only; it cannot "
+                         f'be combined with {", ".join(unsupported)}')
 
 
 @flax.struct.dataclass
@@ -219,14 +241,23 @@ def _commit(state: _LoopState, candidates, candidate_log_probs, count, eos_id: i
   return tokens, log_probs, new_length, done
 
 
+def _iteration_keys(state: _LoopState):
+  """-> (draft keys [b], verdict keys [b]) of this iteration, per row."""
+  keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.row_keys, state.iteration)
+  keys = jax.vmap(lambda k: jax.random.split(k, 2))(keys)  # [b, 2]
+  return keys[:, 0], keys[:, 1]
+
+
 def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens, *,
                target_config: T5Config, drafter: Drafter, spec: SpeculativeConfig,
                sampling: SamplingConfig, eos_id: int) -> _LoopState:
+  if multi_draft.uses_tree(drafter, spec.num_drafts, sampling):
+    return _multi_draft_iteration(
+        state, target_params, drafter_params, encoder_tokens, target_config=target_config,
+        drafter=drafter, spec=spec, sampling=sampling, eos_id=eos_id)
   gamma = spec.gamma
   model = T5(target_config)
-  keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.row_keys, state.iteration)
-  keys = jax.vmap(lambda k: jax.random.split(k, 2))(keys)  # [b, 2]
-  draft_keys, verdict_keys = keys[:, 0], keys[:, 1]
+  draft_keys, verdict_keys = _iteration_keys(state)
 
   context = DraftContext(tokens=state.tokens, length=state.length,
                          encoder_tokens=encoder_tokens)
@@ -251,13 +282,69 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
   target_probs = None if _argmax_verdict(spec, sampling) else standardize(logits, sampling)
   verdict = _verdict(verdict_keys, drafts, draft_probs, logits, target_probs, num_drafts,
                      spec=spec, sampling=sampling)
+  nonfinite = _nonfinite_positions(logits, mask_unproposed(draft_probs, num_drafts))
+  return _settle(state, drafts, drafted, nonfinite, target_probs, verdict, drafter_state,
+                 target_cache, gamma=gamma, sampling=sampling, eos_id=eos_id)
+
+
+def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
+                           *, target_config: T5Config, drafter: Drafter,
+                           spec: SpeculativeConfig, sampling: SamplingConfig,
+                           eos_id: int) -> _LoopState:
+  """One iteration with spec.num_drafts branches verified in one tree step
+  (jaxspec/decoding/multi_draft.py); the chosen branch then settles as one draft does."""
+  gamma, num_branches = spec.gamma, spec.num_drafts
+  draft_keys, verdict_keys = _iteration_keys(state)
+  context = DraftContext(tokens=state.tokens, length=state.length,
+                         encoder_tokens=encoder_tokens)
+  # [b, k, g], [b, k, g, v], the drafter state of every branch [b k].
+  drafts, draft_probs, branch_state = multi_draft.propose_tree(
+      drafter, drafter_params, state.drafter_state, context, gamma, num_branches, sampling,
+      draft_keys)
+
+  # Verify: the root x_length and every branch in one step, positions by depth.
+  batch = drafts.shape[0]
+  tree_tokens = multi_draft.flatten_tree(context.last_two_inputs()[:, 1:], drafts)  # [b, t]
+  target_cache = rollback(state.target_cache, state.length)
+  tree_logits, target_cache = T5(target_config).apply(
+      target_params, tree_tokens, target_cache,
+      multi_draft.tree_layout(batch, num_branches, gamma), method=T5.decode)  # [b, t, v]
+  logits = multi_draft.branch_values(tree_logits, num_branches, gamma)  # [b, k, g+1, v]
+  if sampling.is_greedy:
+    target_probs = None
+    verdict = multi_draft.greedy_tree_verdict(drafts, draft_probs, logits)
+  else:
+    target_probs = standardize(logits, sampling)  # [b, k, g+1, v]
+    verdict = multi_draft.multi_draft_verdict(verdict_keys, drafts, draft_probs, target_probs)
+  branch = verdict.branch  # [b]
+  target_cache = multi_draft.compact_branch(target_cache, state.length, branch, gamma)
+  drafter_state = multi_draft.select_branch_state(branch_state, branch, num_branches)
+
+  # Non-finite p on the chosen path, or a NaN q in any branch (every branch's q at a
+  # depth may have been tried there).
+  nan_q = jnp.any(jnp.isnan(draft_probs), axis=(1, 3))  # [b, g]
+  nonfinite = _nonfinite_positions(multi_draft.select_branch(logits, branch),
+                                   multi_draft.select_branch(draft_probs, branch)) | jnp.pad(
+                                       nan_q, ((0, 0), (0, 1)))  # [b, g+1]
+  return _settle(state, multi_draft.select_branch(drafts, branch),
+                 jnp.full((batch,), gamma, jnp.int32), nonfinite,
+                 multi_draft.path_of(target_probs, branch), verdict, drafter_state,
+                 target_cache, gamma=gamma, sampling=sampling, eos_id=eos_id)
+
+
+def _settle(state: _LoopState, drafts, drafted, nonfinite, target_probs, verdict,
+            drafter_state, target_cache, *, gamma: int, sampling: SamplingConfig,
+            eos_id: int) -> _LoopState:
+  """Commits a verdict and updates the statistics and trace: the shared end of an
+  iteration. drafts [b, g] (the chosen branch's with several drafts), drafted [b],
+  nonfinite [b, g+1] (p or q not finite there), target_probs [b, g+1, v] or None (argmax),
+  verdict with num_accepted, next_token [b] and overlap [b, g]."""
   n = verdict.num_accepted  # [b]
   # The verdict used p and q at positions 0..n, and a NaN there passes the accept test
   # (u >= NaN is False). A row keeps the tokens judged before its first non-finite
   # position and stops there, as the baseline would; the wrapper reports it. (Block
   # verification never keeps a prefix through a NaN p: its weights turn NaN there.)
-  invalid = _nonfinite_positions(logits, mask_unproposed(draft_probs, num_drafts)) & (
-      jnp.arange(gamma + 1)[None, :] <= n[:, None])  # [b, g+1]
+  invalid = nonfinite & (jnp.arange(gamma + 1)[None, :] <= n[:, None])  # [b, g+1]
   broken = ~state.done & jnp.any(invalid, axis=1)  # [b]
   kept = jnp.where(broken, jnp.argmax(invalid, axis=1), n + 1)  # [b]
 
@@ -337,6 +424,12 @@ def _first_token(target_params, encoder_tokens, row_keys, *, target_config, cach
   return tokens, log_probs, done, cache, stats, broken, encoded
 
 
+def _target_cache_length(spec: SpeculativeConfig, max_decode_length: int) -> int:
+  """Room for a full verify window (a tree of 1 + k gamma tokens with several drafts)
+  even from the last position; drafters need only max_decode_length + gamma."""
+  return max_decode_length + spec.num_drafts * spec.gamma
+
+
 def _initial_trace(tokens, length, gamma: int) -> SpeculativeTrace:
   """The trace with iteration 0 filled in from the first-token step's tokens [b, L] and
   committed count length [b] (0 for a row stopped by non-finite logits)."""
@@ -376,7 +469,10 @@ def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None
   validation.check_nonfinite_action(on_nonfinite)
   validation.check_decoder_memory(
       encoder_tokens, config=target_config, max_decode_length=max_decode_length,
-      gamma=spec.gamma, draft_config=getattr(drafter, 'config', None))
+      gamma=spec.num_drafts * spec.gamma, draft_config=getattr(drafter, 'config', None))
+  if sampling.is_greedy and spec.num_drafts > drafter.vocab_size:
+    raise ValueError(f'num_drafts {spec.num_drafts} is larger than the vocabulary '
+                     f'({drafter.vocab_size} tokens) a top-k token tree branches over')
   result = _speculative_generate(
       target_params, drafter_params, encoder_tokens, rng, target_config=target_config,
       drafter=drafter, spec=spec, max_decode_length=max_decode_length, sampling=sampling,
@@ -395,11 +491,12 @@ def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
                           record_trace: bool = False) -> SpeculativeOutput:
   batch = encoder_tokens.shape[0]
   row_keys = common.row_keys(rng, batch)
-  # Room for a full verify window even from the last position; writes past it drop.
+  # The drafter's room for gamma drafts from the last position; writes past it drop.
   cache_length = max_decode_length + spec.gamma
   tokens, log_probs, done, target_cache, stats, nonfinite, encoded = _first_token(
       target_params, encoder_tokens, row_keys, target_config=target_config,
-      cache_length=cache_length, max_decode_length=max_decode_length, sampling=sampling,
+      cache_length=_target_cache_length(spec, max_decode_length),
+      max_decode_length=max_decode_length, sampling=sampling,
       gamma=spec.gamma, eos_id=eos_id)
   initial = _LoopState(
       tokens=tokens, token_log_probs=log_probs, length=jnp.ones((batch,), jnp.int32),

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxspec.config import T5Config
 from jaxspec.decoding.drafter import DraftContext, draft_confidence, draw_tokens
-from jaxspec.model import T5, DecoderCache, rollback
+from jaxspec.model import T5, DecoderCache, repeat_rows, rollback
 from jaxspec.model.sharding import DRAFT
 from jaxspec.sampling import SamplingConfig, standardize
 
@@ -49,6 +49,14 @@ class T5Drafter:
     decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
                                                method=T5.decode)
     return propose_until_unsure(decode, state, context, gamma, sampling, keys, stop_below)
+
+  def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
+                           num_branches: int):
+    """A greedy token tree for multi-draft verification (propose_top_branches_from_decoder)."""
+    model = T5(self.config, role=DRAFT)
+    decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
+                                               method=T5.decode)
+    return propose_top_branches_from_decoder(decode, state, context, gamma, num_branches)
 
 
 def propose_until_unsure(decode, cache: DecoderCache, context: DraftContext, gamma: int,
@@ -114,3 +122,31 @@ def propose_from_decoder(decode, cache: DecoderCache, context: DraftContext, gam
   tokens = jnp.concatenate([token[:, None], jnp.swapaxes(rest_tokens, 0, 1)], axis=1)
   all_probs = jnp.concatenate([probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
   return tokens, all_probs, cache
+
+
+def propose_top_branches_from_decoder(decode, cache: DecoderCache, context: DraftContext,
+                                      gamma: int, num_branches: int):
+  """k greedy branches from a cached decoder (multi-draft verification at temperature 0).
+
+  Branch j starts with the draft's j-th most likely token after x_length (branch 0 is
+  the greedy draft; lax.top_k puts the lower index first on ties, as argmax) and
+  continues greedily. -> tokens [b, k, g], q [b, k, g, v] (one-hot at the tokens: each
+  was chosen deterministically), cache [b k] (row b's branch j at b k + j).
+  """
+  cache = rollback(cache, context.length - 1)
+  logits, cache = decode(context.last_two_inputs(), cache)  # [b, 2, v]
+  batch, _, vocab = logits.shape
+  _, first = jax.lax.top_k(logits[:, -1], num_branches)  # [b, k]
+  cache = repeat_rows(cache, num_branches)  # [b k]
+
+  def step(carry, _):
+    cache, token = carry  # token [b k]
+    logits, cache = decode(token[:, None], cache)
+    next_token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    return (cache, next_token), next_token
+
+  first = first.reshape(-1).astype(jnp.int32)  # [b k]
+  (cache, _), rest = jax.lax.scan(step, (cache, first), None, length=gamma - 1)  # [g-1, b k]
+  tokens = jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)  # [b k, g]
+  tokens = tokens.reshape(batch, num_branches, gamma)
+  return tokens, jax.nn.one_hot(tokens, vocab, dtype=jnp.float32), cache

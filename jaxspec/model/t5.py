@@ -7,10 +7,15 @@ Entry points (call with `T5(config).apply(params, ..., method=...)`):
   encode(encoder_tokens)                         -> encoded [b, s, e]
   init_cache(encoded, encoder_tokens, max_length) -> DecoderCache (cross K/V computed once)
   decode(decoder_tokens [b, k], cache)           -> logits [b, k, v], cache
+  decode(decoder_tokens [b, k], cache, tree)     -> the same for a token tree (DecodeTree)
   __call__(encoder_tokens, decoder_input_tokens) -> logits [b, t, v] (teacher forcing)
 
 `decode` takes k >= 1 new tokens per row at that row's own position
 `cache.end_index[b]`, writes their keys/values, and advances `end_index` by k.
+With a DecodeTree the k tokens are the nodes of a tree hanging below the cached
+prefix (multi-draft verification): each attends to the cache and to its own
+ancestors only, at position end_index + its depth; keys/values are still written
+at slots end_index + 0..k-1 (the flat index).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import math
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -25,6 +31,39 @@ from jaxspec.config import T5Config
 from jaxspec.model import layers
 from jaxspec.model.cache import DecoderCache, LayerCache
 from jaxspec.model.sharding import EMBED_AXES, HEADS_AXES, TARGET, VOCAB_AXES, constrain
+
+
+@flax.struct.dataclass
+class DecodeTree:
+  """The shape of a token tree decoded in one step (jaxspec.decoding.multi_draft).
+
+  New token i of row b sits at depth depths[b, i] below the last cached position and
+  sees new token j iff ancestors[b, i, j] (j is i or an ancestor of i).
+  """
+  depths: jax.Array  # [b, t] int32 >= 0
+  ancestors: jax.Array  # [b, t, t] bool, True on the diagonal
+
+
+def tree_attention_inputs(tree: DecodeTree, end_index, max_length: int):
+  """Positions and visibility for a tree step with cache.end_index [b], L = max_length.
+
+  -> query_positions [b, t] (end + depth), key_positions [b, L] (the slot for cached
+  slots, end + depth of the new token written there for new slots) and visible
+  [b, t, L]: a query sees every cached slot < end and the slots of its ancestors.
+  """
+  num_new = tree.depths.shape[1]
+  slots = jnp.arange(max_length)[None, :]  # [1, L]
+  offset = slots - end_index[:, None]  # [b, L] flat index of the new token in the slot
+  is_new = (offset >= 0) & (offset < num_new)  # [b, L]
+  flat = jnp.clip(offset, 0, num_new - 1)  # [b, L]
+  slot_depth = jnp.take_along_axis(tree.depths, flat, axis=1)  # [b, L]
+  key_positions = jnp.where(is_new, end_index[:, None] + slot_depth, slots)  # [b, L]
+  query_positions = end_index[:, None] + tree.depths  # [b, t]
+  ancestor_slot = jnp.take_along_axis(
+      tree.ancestors, jnp.broadcast_to(flat[:, None, :], (flat.shape[0], num_new, max_length)),
+      axis=2)  # [b, t, L]
+  visible = (offset < 0)[:, None, :] | (is_new[:, None, :] & ancestor_slot)  # [b, t, L]
+  return query_positions, key_positions, visible
 
 
 class EncoderLayer(nn.Module):
@@ -125,24 +164,33 @@ class Decoder(nn.Module):
     return DecoderCache(layers=tuple(layer_caches), encoder_mask=encoder_tokens > 0,
                         end_index=jnp.zeros((batch,), jnp.int32))
 
-  def __call__(self, decoder_tokens, cache: DecoderCache):
-    """decoder_tokens [b, t] -> logits [b, t, v] float32, updated cache."""
+  def __call__(self, decoder_tokens, cache: DecoderCache, tree: DecodeTree | None = None):
+    """decoder_tokens [b, t] -> logits [b, t, v] float32, updated cache.
+
+    tree: the new tokens form a DecodeTree (positions by depth, ancestor mask) instead
+    of a sequence; they are still written at slots end_index + 0..t-1.
+    """
     num_new = decoder_tokens.shape[1]
-    query_positions = cache.end_index[:, None] + jnp.arange(num_new)[None, :]  # [b, t]
-    key_positions = jnp.broadcast_to(jnp.arange(cache.max_length),
-                                     (cache.batch_size, cache.max_length))  # [b, L]
-    # Causal: a query sees cached positions and new ones up to itself; slots past it
-    # (stale after a rollback, or never written) are masked.
-    causal = key_positions[:, None, :] <= query_positions[:, :, None]  # [b, t, L]
+    write_positions = cache.end_index[:, None] + jnp.arange(num_new)[None, :]  # [b, t]
+    if tree is None:
+      query_positions = write_positions
+      key_positions = jnp.broadcast_to(jnp.arange(cache.max_length),
+                                       (cache.batch_size, cache.max_length))  # [b, L]
+      # Causal: a query sees cached positions and new ones up to itself; slots past it
+      # (stale after a rollback, or never written) are masked.
+      visible = key_positions[:, None, :] <= query_positions[:, :, None]  # [b, t, L]
+    else:
+      query_positions, key_positions, visible = tree_attention_inputs(
+          tree, cache.end_index, cache.max_length)
     self_bias = (self.relpos_bias(query_positions, key_positions)
-                 + layers.attention_bias_from_mask(causal))  # [b, h, t, L]
+                 + layers.attention_bias_from_mask(visible))  # [b, h, t, L]
     cross_bias = layers.attention_bias_from_mask(
         jnp.broadcast_to(cache.encoder_mask[:, None, :],
                          (cache.batch_size, num_new, cache.encoder_mask.shape[1])))
     x = constrain(self.embedder(decoder_tokens), EMBED_AXES, self.role)
     new_layer_caches = []
     for layer, layer_cache in zip(self.layers, cache.layers):
-      x, layer_cache = layer(x, layer_cache, query_positions, self_bias, cross_bias)
+      x, layer_cache = layer(x, layer_cache, write_positions, self_bias, cross_bias)
       new_layer_caches.append(layer_cache)
     x = self.decoder_norm(x)
     if self.config.logits_via_embedding:
@@ -174,9 +222,12 @@ class T5(nn.Module):
     """An empty cache of `max_length` decoder positions with cross K/V of `encoded`."""
     return self.decoder.init_cache(encoded, encoder_tokens, max_length)
 
-  def decode(self, decoder_tokens, cache: DecoderCache):
-    """decoder_tokens [b, k] at positions cache.end_index[b] + 0..k-1 -> logits, cache."""
-    return self.decoder(decoder_tokens, cache)
+  def decode(self, decoder_tokens, cache: DecoderCache, tree: DecodeTree | None = None):
+    """decoder_tokens [b, k] at positions cache.end_index[b] + 0..k-1 -> logits, cache.
+
+    With a DecodeTree, at positions end_index + tree.depths, each token seeing the cache
+    and its ancestors (slots are still end_index + 0..k-1)."""
+    return self.decoder(decoder_tokens, cache, tree)
 
   def __call__(self, encoder_tokens, decoder_input_tokens):
     """Teacher-forced logits [b, t, v] for decoder inputs [b, t] (shifted right)."""

@@ -1,0 +1,357 @@
+"""Multi-draft verification (SpeculativeConfig.num_drafts, jaxspec/decoding/multi_draft.py).
+
+- Tree step: each branch's logits equal decoding that branch alone; positions by depth
+  matter (flat positions give other logits); after compaction and rollback the cache
+  holds the accepted tokens as a sequential decode would, and the next step agrees.
+- Greedy: token for token the baseline, for k in {2, 3}, gamma in {1, 3}, a random and
+  a near-copy draft; the trace and the statistics stay consistent.
+- Sampling: the verdict alone and the whole loop match the target's exact distribution
+  (chi-square, total variation); the same checks reject a verdict that skips the
+  residual update between candidates.
+- More drafts accept more tokens per target call; unsupported settings are refused.
+
+Helpers and the tiny models come from tests/test_speculative.py.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import test_speculative as spec_tests  # tests/test_speculative.py: models, enumeration
+from jaxspec.decoding import multi_draft
+from jaxspec.decoding.drafters import BigramDrafter, T5Drafter
+from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
+from jaxspec.model import T5, DecodeTree, rollback
+from jaxspec.sampling import SamplingConfig, residual_distribution
+
+TARGET, DRAFT, MAX_LEN = spec_tests.TARGET, spec_tests.DRAFT, spec_tests.MAX_LEN
+SMALL = spec_tests.SMALL
+
+# ----------------------------------------------------------------------------------
+# 1. The tree step and the cache compaction.
+
+PREFIX_LENGTHS = (3, 5)  # Cached decoder positions per row before the tree step.
+K, G = 3, 3
+
+
+@functools.cache
+def _tree_inputs():
+  """(prefix inputs [b, 6], roots [b, 1], branch tokens [b, k, g], next tokens [b, g])."""
+  rng = np.random.default_rng(4)
+  prefix = rng.integers(2, TARGET.vocab_size, (2, 6)).astype(np.int32)
+  prefix[:, 0] = 0
+  roots = rng.integers(2, TARGET.vocab_size, (2, 1)).astype(np.int32)
+  drafts = rng.integers(2, TARGET.vocab_size, (2, K, G)).astype(np.int32)
+  drafts[0, 1, 0] = drafts[0, 0, 0]  # Branches sharing a first token stay separate.
+  return prefix, roots, drafts, rng.integers(2, TARGET.vocab_size, (2,)).astype(np.int32)
+
+
+def _prefilled_cache(params):
+  """The target's cache with PREFIX_LENGTHS positions of the prefix per row."""
+  model = T5(TARGET)
+  encoder_tokens = spec_tests._encoder_tokens()[:2]
+  prefix = _tree_inputs()[0]
+  encoded = model.apply(params, encoder_tokens, method=T5.encode)
+  cache = model.apply(params, encoded, encoder_tokens, 16, method=T5.init_cache)
+  _, cache = model.apply(params, prefix, cache, method=T5.decode)
+  return rollback(cache, jnp.array(PREFIX_LENGTHS))
+
+
+@jax.jit
+def _tree_and_branches(params, tree: DecodeTree):
+  """-> (tree logits along each branch [b, k, g+1, v], each branch decoded alone
+  [b, k, g+1, v], the cache after the tree step)."""
+  model = T5(TARGET)
+  _, roots, drafts, _ = _tree_inputs()
+  cache = _prefilled_cache(params)
+  tree_logits, tree_cache = model.apply(params, multi_draft.flatten_tree(roots, drafts),
+                                        cache, tree, method=T5.decode)
+  alone = [model.apply(params, jnp.concatenate([roots, drafts[:, j]], axis=1), cache,
+                       method=T5.decode)[0] for j in range(K)]
+  return (multi_draft.branch_values(tree_logits, K, G), jnp.stack(alone, axis=1),
+          tree_cache)
+
+
+def test_tree_layout_is_root_then_branches():
+  tree = multi_draft.tree_layout(1, 2, 2)
+  np.testing.assert_array_equal(tree.depths[0], [0, 1, 2, 1, 2])
+  np.testing.assert_array_equal(tree.ancestors[0].astype(int), [
+      [1, 0, 0, 0, 0],
+      [1, 1, 0, 0, 0],
+      [1, 1, 1, 0, 0],
+      [1, 0, 0, 1, 0],
+      [1, 0, 0, 1, 1]])
+  np.testing.assert_array_equal(multi_draft.path_nodes(2, 2), [[0, 1, 2], [0, 3, 4]])
+
+
+def test_tree_step_logits_equal_each_branch_decoded_alone():
+  params = spec_tests._target_params()
+  along_branches, alone, _ = _tree_and_branches(params, multi_draft.tree_layout(2, K, G))
+  np.testing.assert_allclose(along_branches, alone, atol=2e-5, rtol=1e-5)
+  # Teeth: positions by flat index instead of depth change branches 1 and 2.
+  flat = multi_draft.tree_layout(2, K, G)
+  flat = flat.replace(depths=jnp.broadcast_to(jnp.arange(1 + K * G), flat.depths.shape))
+  wrong, _, _ = _tree_and_branches(params, flat)
+  np.testing.assert_allclose(wrong[:, 0], alone[:, 0], atol=2e-5, rtol=1e-5)
+  assert np.max(np.abs(wrong[:, 1:, 1:] - alone[:, 1:, 1:])) > 1e-3
+
+
+@jax.jit
+def _compacted_then_next(params, branch, num_accepted):
+  """Tree step, compaction of `branch` [b], rollback past num_accepted [b] accepted
+  tokens, then one more token: -> (its logits [b, v], the cache), and the same from
+  decoding root + accepted tokens in sequence."""
+  model = T5(TARGET)
+  _, roots, drafts, next_tokens = _tree_inputs()
+  cache = _prefilled_cache(params)
+  start = cache.end_index
+  _, tree_cache = model.apply(params, multi_draft.flatten_tree(roots, drafts), cache,
+                              multi_draft.tree_layout(2, K, G), method=T5.decode)
+  tree_cache = multi_draft.compact_branch(tree_cache, start, branch, G)
+  # Poison: the decode must not read the other branches' leftovers past the new end.
+  tree_cache = rollback(tree_cache, start + 1 + num_accepted)
+  tree_logits, tree_cache = model.apply(params, next_tokens[:, None], tree_cache,
+                                        method=T5.decode)
+
+  accepted = multi_draft.select_branch(jnp.asarray(drafts), branch)  # [b, g]
+  sequence = jnp.concatenate([roots, accepted], axis=1)  # [b, 1+g]
+  _, sequential_cache = model.apply(params, sequence, cache, method=T5.decode)
+  sequential_cache = rollback(sequential_cache, start + 1 + num_accepted)
+  sequential_logits, sequential_cache = model.apply(params, next_tokens[:, None],
+                                                    sequential_cache, method=T5.decode)
+  return tree_logits[:, 0], tree_cache, sequential_logits[:, 0], sequential_cache
+
+
+@pytest.mark.parametrize('branch, num_accepted', [((2, 1), (2, 3)), ((0, 2), (0, 1))])
+def test_compacted_cache_equals_sequential_decode(branch, num_accepted):
+  params = spec_tests._target_params()
+  tree_logits, tree_cache, logits, cache = _compacted_then_next(
+      params, jnp.array(branch), jnp.array(num_accepted))
+  np.testing.assert_allclose(tree_logits, logits, atol=2e-5, rtol=1e-5)
+  np.testing.assert_array_equal(tree_cache.end_index, cache.end_index)
+  for row in range(2):
+    valid = int(cache.end_index[row])  # prefix, root, accepted, next token
+    for tree_layer, layer in zip(tree_cache.layers, cache.layers):
+      for name in ('self_keys', 'self_values'):
+        np.testing.assert_allclose(getattr(tree_layer, name)[row, :valid],
+                                   getattr(layer, name)[row, :valid], atol=2e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------
+# 2. Greedy: token for token the baseline.
+
+GREEDY_CASES = [  # (num_drafts, gamma, drafter): each k, gamma and drafter twice.
+    (2, 1, 'random'), (3, 3, 'random'), (2, 3, 'near_copy'), (3, 1, 'near_copy')]
+
+
+@functools.cache
+def _greedy_run(num_drafts, gamma, drafter_name):
+  drafter, drafter_params = spec_tests._drafter_setup(drafter_name)
+  return speculative_generate(
+      spec_tests._target_params(), drafter_params, spec_tests._encoder_tokens(),
+      target_config=TARGET, drafter=drafter,
+      spec=SpeculativeConfig(gamma=gamma, num_drafts=num_drafts), max_decode_length=MAX_LEN,
+      record_trace=True)
+
+
+@pytest.mark.parametrize('num_drafts, gamma, drafter_name', GREEDY_CASES)
+def test_greedy_multi_draft_equals_baseline(num_drafts, gamma, drafter_name):
+  result = _greedy_run(num_drafts, gamma, drafter_name)
+  baseline = spec_tests._baseline()
+  np.testing.assert_array_equal(result.output.tokens, baseline.tokens)
+  np.testing.assert_array_equal(result.output.lengths, baseline.lengths)
+  spec_tests._assert_padded_after_eos(result.output)
+  spec_tests._check_stats(result, gamma)
+  spec_tests._check_trace(result, gamma)
+  counts = np.asarray(result.stats.num_accepted_counts)
+  assert counts[0] > 0 and counts[1:].sum() > 0  # Corrections and acceptances both ran.
+
+
+def test_greedy_other_drafters_decode_as_one_draft():
+  # A drafter without a top-k tree would propose k copies at temperature 0.
+  assert not multi_draft.uses_tree(BigramDrafter(8), 3, SamplingConfig())
+  assert multi_draft.uses_tree(BigramDrafter(8), 3, SamplingConfig(temperature=1.0))
+  assert multi_draft.uses_tree(T5Drafter(DRAFT), 3, SamplingConfig())
+  assert not multi_draft.uses_tree(T5Drafter(DRAFT), 1, SamplingConfig(temperature=1.0))
+
+
+# ----------------------------------------------------------------------------------
+# 3. Sampling is exact: the verdict alone, then the whole loop.
+
+VERDICT_VOCAB, VERDICT_ROWS = 5, 50_000
+
+
+def _skip_residual(probs, candidates, candidate_probs, tried, uniforms):
+  """WRONG: every candidate is tried against the original p; only the last rejection
+  leaves a residual. Over-weights the tokens both p and q favour."""
+  original = probs
+  batch, num_drafts = candidates.shape
+  found = jnp.zeros((batch,), bool)
+  token = jnp.zeros((batch,), jnp.int32)
+  for j in range(num_drafts):
+    x, q = candidates[:, j], candidate_probs[:, j]
+    takes_part = tried[:, j] & ~found
+    p_x = original[jnp.arange(batch), x]
+    q_x = q[jnp.arange(batch), x]
+    accepted = takes_part & (uniforms[:, j] < jnp.minimum(1.0, p_x / q_x))
+    probs = jnp.where((takes_part & ~accepted)[:, None], residual_distribution(original, q),
+                      probs)
+    token = jnp.where(accepted, x, token)
+    found = found | accepted
+  return found, token, probs
+
+
+def _verdict_samples(num_drafts, try_candidates=None):
+  """One depth (gamma 1): the next committed token of VERDICT_ROWS rows, each with its
+  own i.i.d. drafts from q, and the exact p [v]."""
+  p = jnp.array([0.05, 0.4, 0.25, 0.2, 0.1])
+  q = jnp.array([0.3, 0.3, 0.05, 0.15, 0.2])
+  keys = jax.random.split(jax.random.PRNGKey(3), VERDICT_ROWS)
+
+  def run(keys):
+    draft_keys = jax.vmap(lambda key: jax.random.split(key, 2))(keys)
+    drafts = jax.vmap(lambda key: jax.random.categorical(
+        key, jnp.log(q), shape=(num_drafts, 1)))(draft_keys[:, 0]).astype(jnp.int32)
+    draft_probs = jnp.broadcast_to(q, drafts.shape + (VERDICT_VOCAB,))
+    target_probs = jnp.broadcast_to(p, (VERDICT_ROWS, num_drafts, 2, VERDICT_VOCAB))
+    verdict = multi_draft.multi_draft_verdict(draft_keys[:, 1], drafts, draft_probs,
+                                              target_probs)
+    first = multi_draft.select_branch(drafts, verdict.branch)[:, 0]
+    return jnp.where(verdict.num_accepted > 0, first, verdict.next_token), verdict
+
+  with pytest.MonkeyPatch.context() as patch:
+    if try_candidates is not None:
+      patch.setattr(multi_draft, '_try_candidates', try_candidates)
+    tokens, verdict = jax.jit(run)(keys)  # A new function: traced with the patch.
+  return np.asarray(tokens), np.asarray(p), verdict
+
+
+def _token_p_value(tokens, p):
+  counts = np.bincount(tokens, minlength=len(p))
+  return spec_tests._chi_square_p_value(counts, p * len(tokens))
+
+
+@pytest.mark.parametrize('num_drafts', [2, 3])
+def test_verdict_first_token_is_the_target_distribution(num_drafts):
+  tokens, p, verdict = _verdict_samples(num_drafts)
+  assert _token_p_value(tokens, p) > spec_tests.SIGNIFICANCE
+  accepted = np.asarray(verdict.num_accepted)
+  # Later candidates were reached: more accepted than one draft's beta = sum min(p, q).
+  one_draft_beta = float(np.sum(np.minimum(p, [0.3, 0.3, 0.05, 0.15, 0.2])))
+  assert accepted.mean() > one_draft_beta + 0.05
+
+
+def test_verdict_check_has_power_against_a_skipped_residual():
+  tokens, p, _ = _verdict_samples(2, _skip_residual)
+  assert _token_p_value(tokens, p) < spec_tests.SIGNIFICANCE
+
+
+# name -> (sampling, num_drafts, gamma, max_decode_length)
+SAMPLED_CASES = {
+    't1_k3_gamma2': (SamplingConfig(temperature=1.0), 3, 2, 3),
+    'top_k3_k2_gamma1_len4': (SamplingConfig(temperature=1.0, top_k=3), 2, 1, 4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Retraced(T5Drafter):
+  """T5Drafter under another static identity, so a patched verdict is traced anew."""
+
+
+@functools.cache
+def _sampled_run(name, wrong_residual=False, num_drafts=None):
+  sampling, default_drafts, gamma, length = SAMPLED_CASES[name]
+  drafter = (_Retraced if wrong_residual else T5Drafter)(SMALL)
+  with pytest.MonkeyPatch.context() as patch:
+    if wrong_residual:
+      patch.setattr(multi_draft, '_try_candidates', _skip_residual)
+    return speculative_generate(
+        spec_tests._small_target_params(), spec_tests._small_draft_params(),
+        spec_tests._small_encoder_tokens(), jax.random.PRNGKey(8), target_config=SMALL,
+        drafter=drafter, spec=SpeculativeConfig(
+            gamma=gamma, num_drafts=num_drafts or default_drafts),
+        max_decode_length=length, sampling=sampling, record_trace=True)
+
+
+@pytest.mark.parametrize('name', list(SAMPLED_CASES))
+def test_sampled_multi_draft_matches_exact_distribution(name):
+  sampling, _, gamma, length = SAMPLED_CASES[name]
+  result = _sampled_run(name)
+  spec_tests._assert_matches(result.output.tokens,
+                             *spec_tests._exact_joint('target', sampling, length))
+  spec_tests._assert_padded_after_eos(result.output)
+  spec_tests._check_stats(result, gamma)
+  spec_tests._check_trace(result, gamma)
+  counts = np.asarray(result.stats.num_accepted_counts)
+  assert counts[0] > 0 and counts[gamma] > 0  # Both the residual and the bonus path ran.
+
+
+def test_sampled_check_has_power_against_a_skipped_residual():
+  sampling, _, _, length = SAMPLED_CASES['t1_k3_gamma2']
+  result = _sampled_run('t1_k3_gamma2', wrong_residual=True)
+  spec_tests._assert_rejects(result.output.tokens,
+                             *spec_tests._exact_joint('target', sampling, length))
+
+
+def _mean_and_error(counts):
+  """Mean and standard error of n over iterations, from num_accepted_counts."""
+  counts = np.asarray(counts, np.float64)
+  values = np.arange(len(counts))
+  mean = counts @ values / counts.sum()
+  return mean, math.sqrt((counts @ (values - mean) ** 2) / counts.sum() / counts.sum())
+
+
+def test_three_drafts_accept_more_per_target_call_than_one():
+  three = _sampled_run('t1_k3_gamma2').stats
+  one = _sampled_run('t1_k3_gamma2', num_drafts=1).stats
+  (mean3, error3), (mean1, error1) = map(_mean_and_error, (three.num_accepted_counts,
+                                                            one.num_accepted_counts))
+  assert mean3 > mean1 + 4 * math.hypot(error3, error1) and mean3 > mean1 + 0.2
+  lengths = [_sampled_run('t1_k3_gamma2', num_drafts=k).output.lengths for k in (3, 1)]
+  assert float(three.tokens_per_target_call(lengths[0])) > float(
+      one.tokens_per_target_call(lengths[1]))
+  # alpha stays one draft's beta: the same q and p, whatever k.
+  assert abs(float(three.alpha) - float(one.alpha)) < 0.02
+
+
+def test_greedy_tree_accepts_more_than_one_draft():
+  tree = _greedy_run(3, 3, 'random').stats
+  one = spec_tests._greedy_run('random', 3).stats
+  lengths = spec_tests._baseline().lengths
+  assert float(tree.tokens_per_target_call(lengths)) > float(
+      one.tokens_per_target_call(lengths))
+  assert int(np.sum(tree.row_target_calls)) < int(np.sum(one.row_target_calls))
+
+
+# ----------------------------------------------------------------------------------
+# 4. Settings.
+
+
+@pytest.mark.parametrize('settings, message', [
+    (dict(num_drafts=0), 'num_drafts must be >= 1'),
+    (dict(num_drafts=-2), 'num_drafts must be >= 1'),
+    (dict(num_drafts=2, verification='block'), "verification='block'"),
+    (dict(num_drafts=3, lenience=0.5), 'lenience 0.5'),
+    (dict(num_drafts=2, draft_confidence_threshold=0.3), 'draft_confidence_threshold 0.3'),
+])
+def test_unsupported_settings_are_refused(settings, message):
+  with pytest.raises(ValueError, match=message):
+    SpeculativeConfig(**settings)
+
+
+def test_one_draft_combines_with_everything():
+  SpeculativeConfig(num_drafts=1, verification='block', draft_confidence_threshold=0.3)
+  SpeculativeConfig(num_drafts=1, lenience=0.5)
+
+
+def test_top_k_tree_wider_than_the_vocabulary_is_refused():
+  with pytest.raises(ValueError, match='num_drafts 65 is larger than the vocabulary'):
+    speculative_generate(
+        spec_tests._target_params(), spec_tests._draft_params(), spec_tests._encoder_tokens(),
+        target_config=TARGET, drafter=T5Drafter(DRAFT),
+        spec=SpeculativeConfig(gamma=2, num_drafts=65), max_decode_length=MAX_LEN)
