@@ -14,6 +14,8 @@ Used by scripts/benchmark.py; nothing here parses gin or writes files.
   the same inputs and keys.
 - `t5x_style_generate`: a reference decoder as T5X runs T5, one token per step with
   the cross-attention keys and values projected from the encoder output at every step.
+- `beam_comparison`: target calls, steps per call and agreement (tokens, scores) of
+  speculative beam search against beam search over the same examples.
 
 Timings wait for the device (block_until_ready) and never include compilation: each
 function runs once before its clock starts.
@@ -407,3 +409,46 @@ def compare_verification_options(decode: Callable[[SpeculativeConfig, int], Any]
   for every spec); -> one option_row per spec, in order."""
   return [option_row(name, spec, [decode(spec, i) for i in range(num_items)])
           for name, spec in specs.items()]
+
+
+# ---------------------------------------------------------------------------
+# Beam search against speculative beam search.
+
+
+def best_beam_tokens(beam_output, eos_id: int = EOS_ID) -> list[list[int]]:
+  """Per row of a BeamOutput, the best beam's tokens (the last; T5X sorts ascending)
+  through EOS."""
+  return [_through_eos(row[-1], eos_id) for row in np.asarray(beam_output.tokens)]
+
+
+def _through_eos(tokens, eos_id: int) -> list[int]:
+  tokens = [int(t) for t in tokens]
+  return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+def beam_comparison(plain_outputs: Sequence[Any], speculative_outputs: Sequence[Any],
+                    eos_id: int = EOS_ID) -> dict:
+  """From per-item BeamOutputs of beam search and SpeculativeBeamOutputs over the same
+  inputs: target calls of each (a plain search calls the target once per step), both
+  per output token of the best beams, search steps per speculative call, and how many
+  items agree in every beam's tokens, and in tokens and scores exactly (the largest
+  score difference beside)."""
+  tokens = sum(len(t) for o in plain_outputs for t in best_beam_tokens(o, eos_id))
+  plain_calls = sum(int(o.steps) for o in plain_outputs)
+  speculative_calls = sum(int(o.stats.target_calls) for o in speculative_outputs)
+  same_tokens, same_both, difference = 0, 0, 0.0
+  for plain, speculative in zip(plain_outputs, speculative_outputs):
+    tokens_equal = np.array_equal(np.asarray(plain.tokens), np.asarray(speculative.output.tokens))
+    plain_scores, speculative_scores = (np.asarray(plain.scores),
+                                        np.asarray(speculative.output.scores))
+    same_tokens += tokens_equal
+    same_both += tokens_equal and np.array_equal(plain_scores, speculative_scores)
+    difference = max(difference, float(np.max(np.abs(plain_scores - speculative_scores))))
+  return {'tokens': tokens, 'beam_target_calls': plain_calls,
+          'speculative_beam_target_calls': speculative_calls,
+          'beam_target_calls_per_token': plain_calls / max(tokens, 1),
+          'speculative_beam_target_calls_per_token': speculative_calls / max(tokens, 1),
+          'search_steps_per_target_call': (sum(int(o.output.steps) for o in speculative_outputs)
+                                           / max(speculative_calls, 1)),
+          'identical_tokens': int(same_tokens), 'identical_tokens_and_scores': int(same_both),
+          'max_score_difference': difference}

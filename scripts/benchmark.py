@@ -20,6 +20,11 @@ For one task, target and set of drafts it measures, in this order:
              projected at every step) on the same model.
   options    tokens per target call of plain (token-wise), block and adaptive-gamma
              verification side by side, same examples and keys (no timing).
+  beam       beam search against speculative beam search (beam_drafter proposing),
+             batch 1, interleaved example by example, repeated: target calls per output
+             token, walltime ratio, BLEU/ROUGE of both, identical beams (tokens, and
+             tokens and scores). Not in the default sections; configs/benchmark/*_beam.gin
+             run it alone.
 Writes <output_dir>/results.json, results.md and *.png, and prints the markdown.
 """
 
@@ -40,19 +45,22 @@ import numpy as np
 import gin_flags  # scripts/gin_flags.py
 import infer as infer_script  # scripts/infer.py: drafter_params
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
-from jaxspec import analysis, benchmark as measure, inference
+from jaxspec import analysis, benchmark as measure, inference, metrics
 from jaxspec.config import T5Config
 from jaxspec.data import corpora
 from jaxspec.decoding.baseline import generate
+from jaxspec.decoding.beam_search import BeamConfig, generate_beam
 from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter,
                                        SharedEncoderDrafterWithTarget, T5Drafter,
                                        UnigramDrafter)
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
+from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
 from jaxspec.sampling import SamplingConfig
 
 DEFAULT_GIN_FILES = ('configs/benchmark/ende45m_local.gin', 'configs/benchmark/ende_local.gin',
                      'configs/benchmark/docsum_local.gin')
-SECTIONS = ('alpha', 'costs', 'table2', 'sweep', 'batch', 'reference', 'options')
+SECTIONS = ('alpha', 'costs', 'table2', 'sweep', 'batch', 'reference', 'options', 'beam')
+DEFAULT_SECTIONS = SECTIONS[:-1]  # Beam rows on request: they take minutes per task on CPU.
 # Drafters without weights, fitted on the task's training split (n-grams) or none.
 OTHER_DRAFTERS = {'unigram': UnigramDrafter, 'bigram': BigramDrafter,
                   'prompt lookup': PromptLookupDrafter}
@@ -111,6 +119,20 @@ class Setup:
     return generate(self.target_params, self.inputs[rows], self.keys(rows),
                     config=self.target_model, max_decode_length=self.max_decode_length,
                     sampling=sampling)
+
+  def beam(self, rows, beam: BeamConfig):
+    return generate_beam(self.target_params, self.inputs[rows], config=self.target_model,
+                         beam=beam, max_decode_length=self.max_decode_length)
+
+  def speculative_beam(self, rows, beam: BeamConfig, spec: SpeculativeBeamConfig,
+                       drafter_name):
+    drafter = self.drafters[drafter_name]
+    if not isinstance(drafter, T5Drafter):
+      raise ValueError(f'beam_drafter must name a T5 draft (t5 <name>), got {drafter_name!r}')
+    return speculative_beam_generate(
+        self.target_params, self.drafter_params[drafter_name], self.inputs[rows],
+        target_config=self.target_model, draft_config=drafter.config, beam=beam, spec=spec,
+        max_decode_length=self.max_decode_length)
 
   def speculative(self, rows, sampling, drafter_name, gamma, lenience=1.0, spec=None):
     """spec (a SpeculativeConfig) replaces gamma and lenience when given."""
@@ -300,6 +322,33 @@ def reference_section(setup: Setup, temperatures, num_examples, repeats) -> list
   return rows
 
 
+def beam_section(setup: Setup, drafter_name, beam: BeamConfig, spec: SpeculativeBeamConfig,
+                 num_examples, repeats) -> dict:
+  """Beam search against speculative beam search on the first num_examples test
+  examples, batch 1, interleaved example by example and repeated (median totals)."""
+  decoders = {'beam': lambda i: setup.beam([i], beam),
+              'speculative_beam': lambda i: setup.speculative_beam([i], beam, spec,
+                                                                   drafter_name)}
+  timed = {}
+  totals = measure.time_side_by_side(decoders, num_examples, repeats, timed)
+  vocab = corpora.Vocabulary()
+  targets = [e['targets'] for e in corpora.load_split(setup.task, 'test')[:num_examples]]
+  row = {'task': setup.task, 'drafter': drafter_name, 'num_beams': beam.num_beams,
+         'draft_beams': spec.draft_width(beam.num_beams), 'gamma': spec.gamma,
+         'brevity_alpha': beam.alpha, 'examples': num_examples, 'repeats': repeats,
+         **measure.beam_comparison(timed['beam'], timed['speculative_beam']),
+         'beam_seconds': float(np.median(totals['beam'])),
+         'speculative_beam_seconds': float(np.median(totals['speculative_beam']))}
+  row['speedup'] = row['beam_seconds'] / row['speculative_beam_seconds']
+  for name in ('beam', 'speculative_beam'):
+    outputs = [o if name == 'beam' else o.output for o in timed[name]]
+    predictions = [vocab.decode(t) for o in outputs for t in measure.best_beam_tokens(o)]
+    for score, value in infer_script.task_scores(metrics.TASK_METRICS[setup.task], targets,
+                                                 predictions).items():
+      row[f'{name}_{score}'] = value
+  return row
+
+
 # ---------------------------------------------------------------------------
 # Output.
 
@@ -387,6 +436,22 @@ def results_markdown(results: dict) -> str:
                   'drafter', 'temperature', 'option', 'gamma', 'draft_confidence_threshold',
                   'tokens_per_target_call', 'accepted_per_iteration',
                   'drafted_per_iteration', 'alpha'])]
+  if 'beam' in results:
+    row = results['beam']
+    scores = [k for k in row if k.startswith(('beam_', 'speculative_beam_'))
+              and not k.endswith(('_seconds', '_calls', '_per_token'))]
+    parts += ['\n### Beam search against speculative beam search, batch 1\n',
+              'target calls: decode calls of the target (plain: one per search step); per '
+              'token: over the best beams\' output tokens. speedup: beam search\'s median '
+              'walltime over speculative beam search\'s, interleaved example by example. '
+              'identical: examples whose beams agree in tokens, and in tokens and scores '
+              'exactly.\n\n',
+              markdown_table([row], [
+                  'task', 'drafter', 'num_beams', 'draft_beams', 'gamma', 'brevity_alpha',
+                  'beam_target_calls_per_token', 'speculative_beam_target_calls_per_token',
+                  'search_steps_per_target_call', 'speedup', 'identical_tokens',
+                  'identical_tokens_and_scores', 'max_score_difference', 'examples']
+                  + scores)]
   return ''.join(parts)
 
 
@@ -448,7 +513,10 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
               batch_examples: int = 64, reference_examples: int = 50,
               options_gamma: int = 4, options_confidence_threshold: float = 0.5,
               options_temperatures=(0.0, 1.0), options_examples: int = 100,
-              sections=SECTIONS) -> dict:
+              beam: BeamConfig = BeamConfig(),
+              speculative_beam: SpeculativeBeamConfig = SpeculativeBeamConfig(),
+              beam_drafter: str | None = None, beam_examples: int = 20,
+              sections=DEFAULT_SECTIONS) -> dict:
   """Runs the sections and writes results.json, results.md and plots to output_dir.
 
   alpha_splits: the held-out splits whose inputs the target decodes for alpha, in order,
@@ -458,6 +526,10 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
   verification for the sweep drafter, on the first options_examples test examples).
   shared_encoder_drafts: name -> SharedEncoderDrafter, its checkpoint in
   draft_checkpoints[name]; reported as 'shared encoder <name>'.
+  beam, speculative_beam, beam_drafter, beam_examples: the 'beam' section (not run by
+  default): beam search with `beam` against speculative beam search with
+  `speculative_beam` and the T5 draft beam_drafter ('t5 <name>'; default the last T5
+  draft) on the first beam_examples test examples (gin/decoding/beam.gin's macros).
   """
   if 'train' in alpha_splits:
     raise ValueError('alpha_splits must be held out: the drafters were fitted on train')
@@ -502,6 +574,9 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
     results['options'] = options_section(setup, sweep_drafter, options_gamma,
                                          options_confidence_threshold, options_temperatures,
                                          options_examples)
+  if 'beam' in sections:
+    results['beam'] = beam_section(setup, beam_drafter or f't5 {list(t5_drafts)[-1]}', beam,
+                                   speculative_beam, beam_examples, repeats)
   inference.write_text_atomic(os.path.join(output_dir, 'results.json'),
                               json.dumps(results, indent=2, default=str))
   markdown = results_markdown(results)

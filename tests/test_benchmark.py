@@ -15,6 +15,8 @@ from jaxspec.checkpoints.t5x import save_t5x_checkpoint
 from jaxspec.config import EOS_ID, get_config
 from jaxspec.data import corpora
 from jaxspec.decoding import baseline
+from jaxspec.decoding.beam_search import BeamOutput
+from jaxspec.decoding.speculative_beam import SpeculativeBeamOutput, SpeculativeBeamStats
 from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter, T5Drafter,
                                        UnigramDrafter)
@@ -281,3 +283,61 @@ def test_benchmark_script_writes_every_table(tmp_path, _unlocked_gin):
   np.testing.assert_array_equal(setup.alpha_inputs[:len(setup.inputs)], setup.inputs)
   with pytest.raises(ValueError, match='held out'):
     benchmark_script.benchmark(alpha_splits=('test', 'train'))
+
+
+def test_benchmark_beam_rows_compare_beam_and_speculative_beam(tmp_path, _unlocked_gin):
+  gin.clear_config()
+  config = tmp_path / 'bench.gin'
+  config.write_text(TINY + "include 'gin/decoding/beam.gin'\n"
+                    "benchmark.sections = ('beam',)\n"
+                    "benchmark.other_drafters = ()\n"
+                    "benchmark.beam = @jaxspec.BeamConfig()\n"
+                    "benchmark.speculative_beam = @jaxspec.SpeculativeBeamConfig()\n"
+                    "benchmark.beam_examples = 3\n"
+                    "NUM_BEAMS = 2\nBEAM_GAMMA = 2\n"
+                    f"benchmark.target_checkpoint = '{tmp_path}/target'\n"
+                    f"benchmark.draft_checkpoints = {{'tiny': '{tmp_path}/draft'}}\n"
+                    f"benchmark.output_dir = '{tmp_path}/out'\n")
+  gin_flags.parse([f'--gin_file={config}'])
+  target = gin.query_parameter('benchmark.target_model').scoped_configurable_fn()
+  draft = gin.query_parameter('benchmark.t5_drafts')['tiny'].scoped_configurable_fn()
+  save_t5x_checkpoint(tmp_path / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
+  save_t5x_checkpoint(tmp_path / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
+  results = benchmark_script.benchmark()
+
+  assert set(results) >= {'beam'} and 'table2' not in results and 'alpha' not in results
+  row = results['beam']
+  assert (row['drafter'], row['num_beams'], row['draft_beams'], row['gamma']) == (
+      't5 tiny', 2, 4, 2)
+  assert row['examples'] == 3 and row['identical_tokens'] == 3
+  assert row['max_score_difference'] <= 1e-5
+  assert row['beam_bleu'] == row['speculative_beam_bleu']
+  assert row['speculative_beam_target_calls'] <= row['beam_target_calls']
+  assert row['beam_target_calls_per_token'] == row['beam_target_calls'] / row['tokens']
+  assert row['search_steps_per_target_call'] >= 1.0 and row['speedup'] > 0
+  markdown = (tmp_path / 'out' / 'results.md').read_text()
+  assert '### Beam search against speculative beam search' in markdown
+
+
+def test_beam_comparison_counts_calls_tokens_and_agreement():
+  """Two items: the first identical, the second equal in tokens only."""
+  plain = [BeamOutput(tokens=np.array([[[5, 1, 0], [4, 6, 1]]]), scores=np.array([[-2.0, -1.0]]),
+                      steps=np.array(3)),
+           BeamOutput(tokens=np.array([[[7, 1, 0], [7, 7, 7]]]), scores=np.array([[-3.0, -0.5]]),
+                      steps=np.array(3))]
+  speculative = [
+      SpeculativeBeamOutput(output=plain[0], stats=SpeculativeBeamStats(
+          target_calls=np.array(2), draft_calls=np.array(2), steps_per_call=np.array([0, 1, 1]))),
+      SpeculativeBeamOutput(
+          output=BeamOutput(tokens=plain[1].tokens, scores=np.array([[-3.0, -0.5 + 1e-6]]),
+                            steps=np.array(3)),
+          stats=SpeculativeBeamStats(target_calls=np.array(3), draft_calls=np.array(3),
+                                     steps_per_call=np.array([0, 3, 0])))]
+  row = measure.beam_comparison(plain, speculative, eos_id=1)
+  assert row['tokens'] == 3 + 3  # [4, 6, 1] through EOS, and [7, 7, 7] without one.
+  assert (row['beam_target_calls'], row['speculative_beam_target_calls']) == (6, 5)
+  assert row['beam_target_calls_per_token'] == 1.0
+  assert row['speculative_beam_target_calls_per_token'] == 5 / 6
+  assert row['search_steps_per_target_call'] == 6 / 5
+  assert (row['identical_tokens'], row['identical_tokens_and_scores']) == (2, 1)
+  np.testing.assert_allclose(row['max_score_difference'], 1e-6, rtol=1e-3)
