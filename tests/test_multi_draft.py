@@ -26,7 +26,7 @@ import test_speculative as spec_tests  # tests/test_speculative.py: models, enum
 from jaxspec.decoding import multi_draft
 from jaxspec.decoding.drafters import BigramDrafter, T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.model import T5, DecodeTree, rollback
+from jaxspec.model import T5, DecodeTree, init_params, rollback
 from jaxspec.sampling import SamplingConfig, residual_distribution
 
 TARGET, DRAFT, MAX_LEN = spec_tests.TARGET, spec_tests.DRAFT, spec_tests.MAX_LEN
@@ -78,9 +78,9 @@ def _tree_and_branches(params, tree: DecodeTree):
 
 
 def test_tree_layout_is_root_then_branches():
-  tree = multi_draft.tree_layout(1, 2, 2)
-  np.testing.assert_array_equal(tree.depths[0], [0, 1, 2, 1, 2])
-  np.testing.assert_array_equal(tree.ancestors[0].astype(int), [
+  tree = multi_draft.tree_layout(2, 2)
+  np.testing.assert_array_equal(tree.depths, [0, 1, 2, 1, 2])
+  np.testing.assert_array_equal(tree.ancestors.astype(int), [
       [1, 0, 0, 0, 0],
       [1, 1, 0, 0, 0],
       [1, 1, 1, 0, 0],
@@ -91,11 +91,10 @@ def test_tree_layout_is_root_then_branches():
 
 def test_tree_step_logits_equal_each_branch_decoded_alone():
   params = spec_tests._target_params()
-  along_branches, alone, _ = _tree_and_branches(params, multi_draft.tree_layout(2, K, G))
+  along_branches, alone, _ = _tree_and_branches(params, multi_draft.tree_layout(K, G))
   np.testing.assert_allclose(along_branches, alone, atol=2e-5, rtol=1e-5)
   # Teeth: positions by flat index instead of depth change branches 1 and 2.
-  flat = multi_draft.tree_layout(2, K, G)
-  flat = flat.replace(depths=jnp.broadcast_to(jnp.arange(1 + K * G), flat.depths.shape))
+  flat = multi_draft.tree_layout(K, G).replace(depths=jnp.arange(1 + K * G))
   wrong, _, _ = _tree_and_branches(params, flat)
   np.testing.assert_allclose(wrong[:, 0], alone[:, 0], atol=2e-5, rtol=1e-5)
   assert np.max(np.abs(wrong[:, 1:, 1:] - alone[:, 1:, 1:])) > 1e-3
@@ -111,7 +110,7 @@ def _compacted_then_next(params, branch, num_accepted):
   cache = _prefilled_cache(params)
   start = cache.end_index
   _, tree_cache = model.apply(params, multi_draft.flatten_tree(roots, drafts), cache,
-                              multi_draft.tree_layout(2, K, G), method=T5.decode)
+                              multi_draft.tree_layout(K, G), method=T5.decode)
   tree_cache = multi_draft.compact_branch(tree_cache, start, branch, G)
   # Poison: the decode must not read the other branches' leftovers past the new end.
   tree_cache = rollback(tree_cache, start + 1 + num_accepted)
@@ -145,16 +144,24 @@ def test_compacted_cache_equals_sequential_decode(branch, num_accepted):
 # ----------------------------------------------------------------------------------
 # 2. Greedy: token for token the baseline.
 
-GREEDY_CASES = [  # (num_drafts, gamma, drafter): each k, gamma and drafter twice.
-    (2, 1, 'random'), (3, 3, 'random'), (2, 3, 'near_copy'), (3, 1, 'near_copy')]
+# (num_drafts, gamma) x drafter; both drafters share the target's config, so each
+# (num_drafts, gamma) compiles once.
+GREEDY_CASES = [(2, 1, 'random'), (2, 1, 'near_copy'), (3, 3, 'random'), (3, 3, 'near_copy')]
+
+
+@functools.cache
+def _random_draft_params():
+  """An independent random init of the target's architecture (alpha well below 1)."""
+  return init_params(TARGET, jax.random.PRNGKey(5))
 
 
 @functools.cache
 def _greedy_run(num_drafts, gamma, drafter_name):
-  drafter, drafter_params = spec_tests._drafter_setup(drafter_name)
+  drafter_params = (_random_draft_params() if drafter_name == 'random'
+                    else spec_tests._near_copy_params())
   return speculative_generate(
       spec_tests._target_params(), drafter_params, spec_tests._encoder_tokens(),
-      target_config=TARGET, drafter=drafter,
+      target_config=TARGET, drafter=T5Drafter(TARGET),
       spec=SpeculativeConfig(gamma=gamma, num_drafts=num_drafts), max_decode_length=MAX_LEN,
       record_trace=True)
 
@@ -170,6 +177,8 @@ def test_greedy_multi_draft_equals_baseline(num_drafts, gamma, drafter_name):
   spec_tests._check_trace(result, gamma)
   counts = np.asarray(result.stats.num_accepted_counts)
   assert counts[0] > 0 and counts[1:].sum() > 0  # Corrections and acceptances both ran.
+  if drafter_name == 'random':
+    assert float(result.stats.alpha) < 0.7
 
 
 def test_greedy_other_drafters_decode_as_one_draft():
@@ -209,7 +218,7 @@ def _skip_residual(probs, candidates, candidate_probs, tried, uniforms):
 def _verdict_samples(num_drafts, try_candidates=None):
   """One depth (gamma 1): the next committed token of VERDICT_ROWS rows, each with its
   own i.i.d. drafts from q, and the exact p [v]."""
-  p = jnp.array([0.05, 0.4, 0.25, 0.2, 0.1])
+  p = jnp.array([0.0, 0.45, 0.25, 0.2, 0.1])  # Token 0 masked, as top-k would.
   q = jnp.array([0.3, 0.3, 0.05, 0.15, 0.2])
   keys = jax.random.split(jax.random.PRNGKey(3), VERDICT_ROWS)
 
@@ -227,7 +236,7 @@ def _verdict_samples(num_drafts, try_candidates=None):
   with pytest.MonkeyPatch.context() as patch:
     if try_candidates is not None:
       patch.setattr(multi_draft, '_try_candidates', try_candidates)
-    tokens, verdict = jax.jit(run)(keys)  # A new function: traced with the patch.
+    tokens, verdict = run(keys)  # Eager: no compile, and the patch always applies.
   return np.asarray(tokens), np.asarray(p), verdict
 
 
@@ -243,6 +252,7 @@ def test_verdict_first_token_is_the_target_distribution(num_drafts):
   accepted = np.asarray(verdict.num_accepted)
   # Later candidates were reached: more accepted than one draft's beta = sum min(p, q).
   one_draft_beta = float(np.sum(np.minimum(p, [0.3, 0.3, 0.05, 0.15, 0.2])))
+  assert np.all(tokens != 0)  # Never a token p rules out, though q drafts it often.
   assert accepted.mean() > one_draft_beta + 0.05
 
 
@@ -254,7 +264,6 @@ def test_verdict_check_has_power_against_a_skipped_residual():
 # name -> (sampling, num_drafts, gamma, max_decode_length)
 SAMPLED_CASES = {
     't1_k3_gamma2': (SamplingConfig(temperature=1.0), 3, 2, 3),
-    'top_k3_k2_gamma1_len4': (SamplingConfig(temperature=1.0, top_k=3), 2, 1, 4),
 }
 
 
@@ -263,18 +272,21 @@ class _Retraced(T5Drafter):
   """T5Drafter under another static identity, so a patched verdict is traced anew."""
 
 
+LOOP_ROWS = 20_000
+
+
 @functools.cache
-def _sampled_run(name, wrong_residual=False, num_drafts=None):
-  sampling, default_drafts, gamma, length = SAMPLED_CASES[name]
+def _sampled_run(name, wrong_residual=False):
+  sampling, num_drafts, gamma, length = SAMPLED_CASES[name]
   drafter = (_Retraced if wrong_residual else T5Drafter)(SMALL)
   with pytest.MonkeyPatch.context() as patch:
     if wrong_residual:
       patch.setattr(multi_draft, '_try_candidates', _skip_residual)
     return speculative_generate(
         spec_tests._small_target_params(), spec_tests._small_draft_params(),
-        spec_tests._small_encoder_tokens(), jax.random.PRNGKey(8), target_config=SMALL,
-        drafter=drafter, spec=SpeculativeConfig(
-            gamma=gamma, num_drafts=num_drafts or default_drafts),
+        spec_tests._small_encoder_tokens(LOOP_ROWS), jax.random.PRNGKey(8),
+        target_config=SMALL, drafter=drafter,
+        spec=SpeculativeConfig(gamma=gamma, num_drafts=num_drafts),
         max_decode_length=length, sampling=sampling, record_trace=True)
 
 
@@ -307,25 +319,21 @@ def _mean_and_error(counts):
 
 
 def test_three_drafts_accept_more_per_target_call_than_one():
-  three = _sampled_run('t1_k3_gamma2').stats
-  one = _sampled_run('t1_k3_gamma2', num_drafts=1).stats
-  (mean3, error3), (mean1, error1) = map(_mean_and_error, (three.num_accepted_counts,
-                                                            one.num_accepted_counts))
+  # The same target, draft, sampling, gamma 2 and length 3 with one draft (shared with
+  # tests/test_speculative.py).
+  three, one = _sampled_run('t1_k3_gamma2'), spec_tests._sampled_run('t1_gamma2')
+  sampling, _, gamma, length = SAMPLED_CASES['t1_k3_gamma2']
+  assert (sampling, gamma, length) == spec_tests.SAMPLED_CASES['t1_gamma2']
+  (mean3, error3), (mean1, error1) = map(
+      _mean_and_error, (three.stats.num_accepted_counts, one.stats.num_accepted_counts))
   assert mean3 > mean1 + 4 * math.hypot(error3, error1) and mean3 > mean1 + 0.2
-  lengths = [_sampled_run('t1_k3_gamma2', num_drafts=k).output.lengths for k in (3, 1)]
-  assert float(three.tokens_per_target_call(lengths[0])) > float(
-      one.tokens_per_target_call(lengths[1]))
+  tokens_per_call = [float(run.stats.tokens_per_target_call(run.output.lengths))
+                     for run in (three, one)]
+  # Length 3 caps a call at 2 new tokens (the first-token step counts too), hence a
+  # small margin; the accepted counts above carry the statistical check.
+  assert tokens_per_call[0] > tokens_per_call[1], tokens_per_call
   # alpha stays one draft's beta: the same q and p, whatever k.
-  assert abs(float(three.alpha) - float(one.alpha)) < 0.02
-
-
-def test_greedy_tree_accepts_more_than_one_draft():
-  tree = _greedy_run(3, 3, 'random').stats
-  one = spec_tests._greedy_run('random', 3).stats
-  lengths = spec_tests._baseline().lengths
-  assert float(tree.tokens_per_target_call(lengths)) > float(
-      one.tokens_per_target_call(lengths))
-  assert int(np.sum(tree.row_target_calls)) < int(np.sum(one.row_target_calls))
+  assert abs(float(three.stats.alpha) - float(one.stats.alpha)) < 0.02
 
 
 # ----------------------------------------------------------------------------------

@@ -60,8 +60,8 @@ from jaxspec.sampling import (SamplingConfig, acceptance_probability, acceptance
                               gather_probs, residual_distribution, sample_probs)
 
 
-def tree_layout(batch: int, num_drafts: int, gamma: int) -> DecodeTree:
-  """The DecodeTree of [root, branch 0 (g tokens), ..., branch k-1] for `batch` rows.
+def tree_layout(num_drafts: int, gamma: int) -> DecodeTree:
+  """The DecodeTree of [root, branch 0 (g tokens), ..., branch k-1].
 
   Flat index 0 is the root (depth 0); 1 + j g + i is token i of branch j (depth i + 1).
   Each token sees the root and the tokens of its own branch up to itself.
@@ -71,8 +71,7 @@ def tree_layout(batch: int, num_drafts: int, gamma: int) -> DecodeTree:
   depths = jnp.where(flat == 0, 0, (flat - 1) % gamma + 1)  # [t]
   same_branch = branch[:, None] == branch[None, :]  # [t, t]
   ancestors = (flat[None, :] == 0) | (same_branch & (depths[None, :] <= depths[:, None]))
-  return DecodeTree(depths=jnp.broadcast_to(depths, (batch,) + depths.shape).astype(jnp.int32),
-                    ancestors=jnp.broadcast_to(ancestors, (batch,) + ancestors.shape))
+  return DecodeTree(depths=depths.astype(jnp.int32), ancestors=ancestors)
 
 
 def flatten_tree(root, drafts):
@@ -201,7 +200,8 @@ def multi_draft_verdict(keys, drafts, draft_probs, target_probs) -> MultiDraftVe
   final_probs = jnp.zeros(target_probs.shape[:1] + target_probs.shape[3:], jnp.float32)
   overlaps = []
   for depth in range(gamma):
-    current = _first_true(alive)  # [b]; alive branches share the prefix, hence p
+    # [b]; alive branches share the prefix, hence p. (At depth 0 all are alive.)
+    current = _first_true(alive) if depth else jnp.zeros((batch,), jnp.int32)
     probs = target_probs[rows, current, depth]  # [b, v]
     overlaps.append(acceptance_rate(probs, draft_probs[rows, current, depth]))
     found, token, residual = _try_candidates(

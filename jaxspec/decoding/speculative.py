@@ -308,7 +308,7 @@ def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, enc
   target_cache = rollback(state.target_cache, state.length)
   tree_logits, target_cache = T5(target_config).apply(
       target_params, tree_tokens, target_cache,
-      multi_draft.tree_layout(batch, num_branches, gamma), method=T5.decode)  # [b, t, v]
+      multi_draft.tree_layout(num_branches, gamma), method=T5.decode)  # [b, t, v]
   logits = multi_draft.branch_values(tree_logits, num_branches, gamma)  # [b, k, g+1, v]
   if sampling.is_greedy:
     target_probs = None

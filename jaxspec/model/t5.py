@@ -35,13 +35,14 @@ from jaxspec.model.sharding import EMBED_AXES, HEADS_AXES, TARGET, VOCAB_AXES, c
 
 @flax.struct.dataclass
 class DecodeTree:
-  """The shape of a token tree decoded in one step (jaxspec.decoding.multi_draft).
+  """The shape of a token tree decoded in one step, the same for every row
+  (jaxspec.decoding.multi_draft).
 
-  New token i of row b sits at depth depths[b, i] below the last cached position and
-  sees new token j iff ancestors[b, i, j] (j is i or an ancestor of i).
+  New token i sits at depth depths[i] below the last cached position and sees new
+  token j iff ancestors[i, j] (j is i or an ancestor of i).
   """
-  depths: jax.Array  # [b, t] int32 >= 0
-  ancestors: jax.Array  # [b, t, t] bool, True on the diagonal
+  depths: jax.Array  # [t] int32 >= 0
+  ancestors: jax.Array  # [t, t] bool, True on the diagonal
 
 
 def tree_attention_inputs(tree: DecodeTree, end_index, max_length: int):
@@ -51,17 +52,14 @@ def tree_attention_inputs(tree: DecodeTree, end_index, max_length: int):
   slots, end + depth of the new token written there for new slots) and visible
   [b, t, L]: a query sees every cached slot < end and the slots of its ancestors.
   """
-  num_new = tree.depths.shape[1]
+  num_new = tree.depths.shape[0]
   slots = jnp.arange(max_length)[None, :]  # [1, L]
   offset = slots - end_index[:, None]  # [b, L] flat index of the new token in the slot
   is_new = (offset >= 0) & (offset < num_new)  # [b, L]
   flat = jnp.clip(offset, 0, num_new - 1)  # [b, L]
-  slot_depth = jnp.take_along_axis(tree.depths, flat, axis=1)  # [b, L]
-  key_positions = jnp.where(is_new, end_index[:, None] + slot_depth, slots)  # [b, L]
-  query_positions = end_index[:, None] + tree.depths  # [b, t]
-  ancestor_slot = jnp.take_along_axis(
-      tree.ancestors, jnp.broadcast_to(flat[:, None, :], (flat.shape[0], num_new, max_length)),
-      axis=2)  # [b, t, L]
+  key_positions = jnp.where(is_new, end_index[:, None] + tree.depths[flat], slots)  # [b, L]
+  query_positions = end_index[:, None] + tree.depths[None, :]  # [b, t]
+  ancestor_slot = jnp.moveaxis(tree.ancestors[:, flat], 0, 1)  # [b, t, L]
   visible = (offset < 0)[:, None, :] | (is_new[:, None, :] & ancestor_slot)  # [b, t, L]
   return query_positions, key_positions, visible
 
