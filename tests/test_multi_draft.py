@@ -363,3 +363,15 @@ def test_top_k_tree_wider_than_the_vocabulary_is_refused():
         spec_tests._target_params(), spec_tests._draft_params(), spec_tests._encoder_tokens(),
         target_config=TARGET, drafter=T5Drafter(DRAFT),
         spec=SpeculativeConfig(gamma=2, num_drafts=65), max_decode_length=MAX_LEN)
+
+
+def test_num_drafts_is_gin_settable():
+  gin = pytest.importorskip('gin')
+  from jaxspec import configurables  # noqa: F401  (registers jaxspec.SpeculativeConfig)
+  gin.clear_config()
+  try:
+    gin.parse_config('jaxspec.SpeculativeConfig.num_drafts = 3')
+    spec = gin.get_configurable('jaxspec.SpeculativeConfig')(gamma=2)
+  finally:
+    gin.clear_config()
+  assert spec == SpeculativeConfig(gamma=2, num_drafts=3)
