@@ -181,6 +181,51 @@ def test_greedy_multi_draft_equals_baseline(num_drafts, gamma, drafter_name):
     assert float(result.stats.alpha) < 0.7
 
 
+def test_nan_target_rows_stop_and_are_reported():
+  # Rows that emit `token` read a NaN embedding at the next step, inside a tree; the
+  # tokens judged before it are kept and the row stops, reported. (Params are traced:
+  # the greedy (2, 1) program runs again.) A row may stop one token before the baseline
+  # does: a draft of `token` in any branch writes NaN keys, and a masked NaN key still
+  # turns the attention logits NaN (q.k + bias), so the root is already non-finite; the
+  # single-draft loop shares this whenever a draft is `token`.
+  token, reached = spec_tests._token_reached_mid_output()
+  params = spec_tests._with_nan_embedding(spec_tests._target_params(), token)
+  baseline = spec_tests.generate(params, spec_tests._encoder_tokens(), config=TARGET,
+                                 max_decode_length=MAX_LEN, on_nonfinite='ignore')
+  result = speculative_generate(
+      params, _random_draft_params(), spec_tests._encoder_tokens(), target_config=TARGET,
+      drafter=T5Drafter(TARGET), spec=SpeculativeConfig(gamma=1, num_drafts=2),
+      max_decode_length=MAX_LEN, record_trace=True, on_nonfinite='ignore')
+  np.testing.assert_array_equal(result.output.nonfinite_logits, reached)
+  tokens, expected = np.asarray(result.output.tokens), np.asarray(baseline.tokens)
+  np.testing.assert_array_equal(tokens[~reached], expected[~reached])
+  lengths = np.asarray(result.trace.committed).sum(axis=1)  # [b] tokens committed
+  baseline_lengths = 2 + np.argmax(np.asarray(spec_tests._baseline().tokens)[:, 1:] == token,
+                                   axis=1)  # up to and including `token`
+  for row in np.flatnonzero(reached):  # A prefix of the baseline's output, then 0.
+    assert baseline_lengths[row] - 1 <= lengths[row] <= baseline_lengths[row]
+    np.testing.assert_array_equal(tokens[row, :lengths[row]], expected[row, :lengths[row]])
+    np.testing.assert_array_equal(tokens[row, lengths[row]:], 0)
+  assert np.isfinite(float(result.stats.overlap_sum))
+
+
+def test_nan_drafter_is_reported_not_accepted():
+  # A NaN q passes the accept test (u >= NaN is False); the rows must stop instead.
+  sampling, num_drafts, gamma, length = SAMPLED_CASES['t1_k3_gamma2']
+  draft_params = jax.tree_util.tree_map(lambda x: x * jnp.nan,
+                                        spec_tests._small_draft_params())
+  result = speculative_generate(  # The program of _sampled_run, with other params.
+      spec_tests._small_target_params(), draft_params,
+      spec_tests._small_encoder_tokens(LOOP_ROWS), jax.random.PRNGKey(8),
+      target_config=SMALL, drafter=T5Drafter(SMALL),
+      spec=SpeculativeConfig(gamma=gamma, num_drafts=num_drafts), max_decode_length=length,
+      sampling=sampling, record_trace=True, on_nonfinite='ignore')
+  first = np.asarray(result.output.tokens)[:, 0]
+  np.testing.assert_array_equal(result.output.tokens[:, 1:], 0)
+  np.testing.assert_array_equal(result.output.nonfinite_logits, first != spec_tests.EOS_ID)
+  assert (first != spec_tests.EOS_ID).sum() > 1000
+
+
 def test_greedy_other_drafters_decode_as_one_draft():
   # A drafter without a top-k tree would propose k copies at temperature 0.
   assert not multi_draft.uses_tree(BigramDrafter(8), 3, SamplingConfig())
