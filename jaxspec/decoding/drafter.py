@@ -16,6 +16,12 @@ itself also defines `init_state_from_target(params, encoder_tokens, target_encod
 max_length)`; speculative decoding then calls it (through `init_drafter_state`) with
 the encoding the target already computed, in place of `init_state`.
 
+A drafter may also define `propose_top_branches(params, state, context, gamma,
+num_branches)` -> tokens [b, k, gamma], q [b, k, gamma, v], state of the branches
+[b k]: a greedy token tree for multi-draft verification at temperature 0 (T5 drafters,
+jaxspec/decoding/multi_draft.py). Without it, multi-draft decoding at temperature 0
+runs as one draft.
+
 Positions: the decoder input sequence is x_0 = 0 (start), x_j = tokens[j-1]. With
 `length` committed tokens the next token to predict is tokens[length], from the
 prefix x_0..x_length.
