@@ -370,9 +370,9 @@ def options_section(setup: Setup, drafter_name, gamma, confidence_threshold, tem
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
-  def fmt(value):
+  def fmt(value):  # Small differences (beam scores' rounding) keep their digits.
     if isinstance(value, float):
-      return f'{value:.3f}'
+      return f'{value:.2e}' if 0 < abs(value) < 1e-3 else f'{value:.3f}'
     return str(value)
   lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
   lines += ['| ' + ' | '.join(fmt(row.get(c, '')) for c in columns) + ' |' for row in rows]
