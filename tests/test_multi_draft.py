@@ -24,7 +24,7 @@ import pytest
 
 import test_speculative as spec_tests  # tests/test_speculative.py: models, enumeration
 from jaxspec.decoding import multi_draft
-from jaxspec.decoding.drafters import BigramDrafter, T5Drafter
+from jaxspec.decoding.drafters import BigramDrafter, DraftContext, T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.model import T5, DecodeTree, init_params, rollback
 from jaxspec.sampling import SamplingConfig, residual_distribution
@@ -224,6 +224,33 @@ def test_nan_drafter_is_reported_not_accepted():
   np.testing.assert_array_equal(result.output.tokens[:, 1:], 0)
   np.testing.assert_array_equal(result.output.nonfinite_logits, first != spec_tests.EOS_ID)
   assert (first != spec_tests.EOS_ID).sum() > 1000
+
+
+@jax.jit
+def _top_branches_and_greedy_draft(draft_params):
+  """-> (top-3 tree [b, 3, g], q [b, 3, g, v], greedy drafts [b, g], draft logits after
+  x_length [b, v]) of a T5 drafter, g = 3."""
+  drafter, model = T5Drafter(DRAFT), T5(DRAFT)
+  encoder_tokens = spec_tests._encoder_tokens()[:2]
+  state = drafter.init_state(draft_params, encoder_tokens, 8)
+  # One committed token per row: the fresh cache is right from slot 0 on (x_0, x_1).
+  tokens = jnp.zeros((2, 8), jnp.int32).at[:, 0].set(jnp.array([5, 7]))
+  context = DraftContext(tokens=tokens, length=jnp.array([1, 1]),
+                         encoder_tokens=encoder_tokens)
+  tree, tree_probs, _ = drafter.propose_top_branches(draft_params, state, context, 3, 3)
+  greedy, _, _ = drafter.propose(draft_params, state, context, 3, SamplingConfig(),
+                                 jax.random.split(jax.random.PRNGKey(0), 2))
+  logits = model.apply(draft_params, encoder_tokens, jnp.pad(tokens[:, :1], ((0, 0), (1, 0))))
+  return tree, tree_probs, greedy, logits[:, -1]
+
+
+def test_top_branches_start_with_the_draft_top_choices():
+  tree, tree_probs, greedy, logits = map(np.asarray, _top_branches_and_greedy_draft(
+      spec_tests._draft_params()))
+  np.testing.assert_array_equal(tree[:, 0], greedy)  # Branch 0 is the greedy draft.
+  np.testing.assert_array_equal(tree[:, :, 0], np.argsort(-logits, axis=1)[:, :3])
+  np.testing.assert_array_equal(tree_probs.argmax(-1), tree)
+  np.testing.assert_array_equal(tree_probs.sum(-1), 1.0)
 
 
 def test_greedy_other_drafters_decode_as_one_draft():
