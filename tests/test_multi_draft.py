@@ -253,6 +253,31 @@ def test_top_branches_start_with_the_draft_top_choices():
   np.testing.assert_array_equal(tree_probs.sum(-1), 1.0)
 
 
+def test_branches_are_the_drafter_proposals_with_split_keys():
+  # Branch j of row b is the drafter's proposal for row b with key split(keys[b], k)[j]:
+  # i.i.d. across branches, and independent of the other rows.
+  vocab, gamma, num_drafts = 6, 3, 4
+  drafter = BigramDrafter(vocab)
+  table = jax.random.normal(jax.random.PRNGKey(1), (vocab, vocab))
+  sampling = SamplingConfig(temperature=1.0)
+  context = DraftContext(tokens=jnp.array([[2, 3, 0], [4, 0, 0]]), length=jnp.array([2, 1]),
+                         encoder_tokens=jnp.ones((2, 2), jnp.int32))
+  keys = jax.random.split(jax.random.PRNGKey(2), 2)
+  drafts, probs, state = multi_draft.propose_branches(drafter, table, (), context, gamma,
+                                                      num_drafts, sampling, keys)
+  assert drafts.shape == (2, num_drafts, gamma) and probs.shape == (2, num_drafts, gamma, vocab)
+  assert state == ()
+  propose_alone = jax.jit(lambda row_context, key: drafter.propose(
+      table, (), row_context, gamma, sampling, key[None]))
+  for row in range(2):
+    row_context = jax.tree_util.tree_map(lambda x: x[row:row + 1], context)
+    for j, key in enumerate(jax.random.split(keys[row], num_drafts)):
+      alone, alone_probs, _ = propose_alone(row_context, key)
+      np.testing.assert_array_equal(drafts[row, j], alone[0])
+      np.testing.assert_allclose(probs[row, j], alone_probs[0], rtol=1e-6)
+  assert len({tuple(branch) for branch in np.asarray(drafts).reshape(-1, gamma)}) > 4
+
+
 def test_greedy_other_drafters_decode_as_one_draft():
   # A drafter without a top-k tree would propose k copies at temperature 0.
   assert not multi_draft.uses_tree(BigramDrafter(8), 3, SamplingConfig())
