@@ -26,7 +26,8 @@ import test_speculative as spec_tests  # tests/test_speculative.py: models, enum
 from jaxspec.decoding import multi_draft
 from jaxspec.decoding.drafters import BigramDrafter, DraftContext, T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.model import T5, DecodeTree, init_params, rollback
+from jaxspec.decoding.t5_drafter import propose_top_branches_from_decoder
+from jaxspec.model import T5, DecodeTree, DecoderCache, init_params, rollback
 from jaxspec.sampling import SamplingConfig, residual_distribution
 
 TARGET, DRAFT, MAX_LEN = spec_tests.TARGET, spec_tests.DRAFT, spec_tests.MAX_LEN
@@ -226,31 +227,32 @@ def test_nan_drafter_is_reported_not_accepted():
   assert (first != spec_tests.EOS_ID).sum() > 1000
 
 
-@jax.jit
-def _top_branches_and_greedy_draft(draft_params):
-  """-> (top-3 tree [b, 3, g], q [b, 3, g, v], greedy drafts [b, g], draft logits after
-  x_length [b, v]) of a T5 drafter, g = 3."""
-  drafter, model = T5Drafter(DRAFT), T5(DRAFT)
-  encoder_tokens = spec_tests._encoder_tokens()[:2]
-  state = drafter.init_state(draft_params, encoder_tokens, 8)
-  # One committed token per row: the fresh cache is right from slot 0 on (x_0, x_1).
-  tokens = jnp.zeros((2, 8), jnp.int32).at[:, 0].set(jnp.array([5, 7]))
-  context = DraftContext(tokens=tokens, length=jnp.array([1, 1]),
-                         encoder_tokens=encoder_tokens)
-  tree, tree_probs, _ = drafter.propose_top_branches(draft_params, state, context, 3, 3)
-  greedy, _, _ = drafter.propose(draft_params, state, context, 3, SamplingConfig(),
-                                 jax.random.split(jax.random.PRNGKey(0), 2))
-  logits = model.apply(draft_params, encoder_tokens, jnp.pad(tokens[:, :1], ((0, 0), (1, 0))))
-  return tree, tree_probs, greedy, logits[:, -1]
-
-
 def test_top_branches_start_with_the_draft_top_choices():
-  tree, tree_probs, greedy, logits = map(np.asarray, _top_branches_and_greedy_draft(
-      spec_tests._draft_params()))
-  np.testing.assert_array_equal(tree[:, 0], greedy)  # Branch 0 is the greedy draft.
-  np.testing.assert_array_equal(tree[:, :, 0], np.argsort(-logits, axis=1)[:, :3])
-  np.testing.assert_array_equal(tree_probs.argmax(-1), tree)
-  np.testing.assert_array_equal(tree_probs.sum(-1), 1.0)
+  # A decoder whose logits depend on the last input only (a bigram table): branch j
+  # must start with the j-th largest logit after x_length and continue greedily.
+  vocab, gamma = 7, 3
+  table = jax.random.normal(jax.random.PRNGKey(6), (vocab, vocab))
+
+  def decode(tokens, cache):  # tokens [b, t] -> logits [b, t, v]
+    return table[tokens], cache.replace(end_index=cache.end_index + tokens.shape[1])
+
+  cache = DecoderCache(layers=(), encoder_mask=jnp.ones((2, 1), bool),
+                       end_index=jnp.zeros((2,), jnp.int32))
+  context = DraftContext(tokens=jnp.array([[2, 5, 0], [4, 0, 0]]), length=jnp.array([2, 1]),
+                         encoder_tokens=jnp.ones((2, 1), jnp.int32))
+  tree, tree_probs, tree_cache = jax.jit(
+      lambda cache: propose_top_branches_from_decoder(decode, cache, context, gamma, 3))(cache)
+  table = np.asarray(table)
+  for row, last in enumerate([5, 4]):
+    for j, first in enumerate(np.argsort(-table[last], kind='stable')[:3]):
+      expected = [first]
+      while len(expected) < gamma:
+        expected.append(int(np.argmax(table[expected[-1]])))
+      np.testing.assert_array_equal(tree[row, j], expected)
+  np.testing.assert_array_equal(np.asarray(tree_probs).argmax(-1), tree)
+  np.testing.assert_array_equal(np.asarray(tree_probs).sum(-1), 1.0)
+  # Rolled back to length - 1, two inputs, then gamma - 1 steps, per branch row [b k].
+  np.testing.assert_array_equal(tree_cache.end_index, np.repeat([1 + 2 + 2, 0 + 2 + 2], 3))
 
 
 def test_branches_are_the_drafter_proposals_with_split_keys():
@@ -258,24 +260,32 @@ def test_branches_are_the_drafter_proposals_with_split_keys():
   # i.i.d. across branches, and independent of the other rows.
   vocab, gamma, num_drafts = 6, 3, 4
   drafter = BigramDrafter(vocab)
-  table = jax.random.normal(jax.random.PRNGKey(1), (vocab, vocab))
   sampling = SamplingConfig(temperature=1.0)
   context = DraftContext(tokens=jnp.array([[2, 3, 0], [4, 0, 0]]), length=jnp.array([2, 1]),
                          encoder_tokens=jnp.ones((2, 2), jnp.int32))
-  keys = jax.random.split(jax.random.PRNGKey(2), 2)
-  drafts, probs, state = multi_draft.propose_branches(drafter, table, (), context, gamma,
-                                                      num_drafts, sampling, keys)
+  rows = np.repeat(np.arange(2), num_drafts)  # [b k] the row of each (row, branch)
+
+  @jax.jit
+  def branches_and_each_alone(table, keys):
+    drafts, probs, state = multi_draft.propose_branches(drafter, table, (), context, gamma,
+                                                        num_drafts, sampling, keys)
+    assert state == ()
+    # Every (row, branch) alone: its row's context and its key, as a batch of 1.
+    branch_keys = jax.vmap(lambda key: jax.random.split(key, num_drafts))(keys).reshape(-1, 2)
+    alone = jax.vmap(lambda row_context, key: jax.tree_util.tree_map(
+        lambda x: x[0], drafter.propose(
+            table, (), jax.tree_util.tree_map(lambda x: x[None], row_context), gamma,
+            sampling, key[None])))(jax.tree_util.tree_map(lambda x: x[rows], context),
+                                   branch_keys)
+    return drafts, probs, alone[0], alone[1]
+
+  drafts, probs, alone, alone_probs = map(np.asarray, branches_and_each_alone(
+      jax.random.normal(jax.random.PRNGKey(1), (vocab, vocab)),
+      jax.random.split(jax.random.PRNGKey(2), 2)))
   assert drafts.shape == (2, num_drafts, gamma) and probs.shape == (2, num_drafts, gamma, vocab)
-  assert state == ()
-  propose_alone = jax.jit(lambda row_context, key: drafter.propose(
-      table, (), row_context, gamma, sampling, key[None]))
-  for row in range(2):
-    row_context = jax.tree_util.tree_map(lambda x: x[row:row + 1], context)
-    for j, key in enumerate(jax.random.split(keys[row], num_drafts)):
-      alone, alone_probs, _ = propose_alone(row_context, key)
-      np.testing.assert_array_equal(drafts[row, j], alone[0])
-      np.testing.assert_allclose(probs[row, j], alone_probs[0], rtol=1e-6)
-  assert len({tuple(branch) for branch in np.asarray(drafts).reshape(-1, gamma)}) > 4
+  np.testing.assert_array_equal(drafts.reshape(-1, gamma), alone)
+  np.testing.assert_allclose(probs.reshape(-1, gamma, vocab), alone_probs, rtol=1e-6)
+  assert len({tuple(branch) for branch in drafts.reshape(-1, gamma)}) > 4
 
 
 def test_greedy_other_drafters_decode_as_one_draft():
