@@ -9,9 +9,10 @@ Used by scripts/benchmark.py; nothing here parses gin or writes files.
   loop lengths (so launch and compile costs cancel out).
 - `time_side_by_side`: several decoders over the same inputs, interleaved example by
   example, repeated; each repetition's total.
-- `compare_verification_options`: tokens per target call, alpha and drafts accepted /
-  proposed per iteration for plain, block and adaptive-gamma speculative decoding over
-  the same inputs and keys.
+- `compare_verification_options`: tokens per target call, alpha, drafts accepted /
+  proposed per iteration and walltime (interleaved, against plain speculative decoding
+  and the baseline) for plain, block, adaptive-gamma and multi-draft speculative
+  decoding over the same inputs and keys.
 - `t5x_style_generate`: a reference decoder as T5X runs T5, one token per step with
   the cross-attention keys and values projected from the encoder output at every step.
 - `beam_comparison`: target calls, steps per call and agreement (tokens, scores) of
@@ -369,16 +370,21 @@ def _t5x_style_generate(params, encoder_tokens, rng, *, config, max_decode_lengt
 # Verification options side by side: tokens per target call.
 
 
-def verification_option_specs(gamma: int, confidence_threshold: float) -> dict:
+def verification_option_specs(gamma: int, confidence_threshold: float,
+                              num_drafts: Sequence[int] = ()) -> dict:
   """{name: SpeculativeConfig}: plain (token-wise), block verification, adaptive gamma
-  (gamma the maximum, rows stop below the threshold) and both."""
-  return {
+  (gamma the maximum, rows stop below the threshold), both, and multi-draft
+  verification with k branches for each k in num_drafts."""
+  specs = {
       'plain': SpeculativeConfig(gamma),
       'block': SpeculativeConfig(gamma, verification='block'),
       'adaptive': SpeculativeConfig(gamma, draft_confidence_threshold=confidence_threshold),
       'block + adaptive': SpeculativeConfig(gamma, verification='block',
                                             draft_confidence_threshold=confidence_threshold),
   }
+  specs.update({f'multi-draft k={k}': SpeculativeConfig(gamma, num_drafts=k)
+                for k in num_drafts})
+  return specs
 
 
 def option_row(name: str, spec: SpeculativeConfig, outputs: Sequence[Any]) -> dict:
@@ -395,6 +401,7 @@ def option_row(name: str, spec: SpeculativeConfig, outputs: Sequence[Any]) -> di
   counts = np.arange(len(accepted))
   return {'option': name, 'verification': spec.verification, 'gamma': spec.gamma,
           'draft_confidence_threshold': spec.draft_confidence_threshold,
+          'num_drafts': spec.num_drafts,
           'tokens_per_target_call': tokens / max(calls, 1),
           'alpha': overlap / max(verified, 1),
           'accepted_per_iteration': float(accepted @ counts) / iterations,
@@ -402,12 +409,31 @@ def option_row(name: str, spec: SpeculativeConfig, outputs: Sequence[Any]) -> di
           'tokens': tokens, 'target_calls': calls}
 
 
+def walltime_fields(totals: Mapping[str, Sequence[float]], name: str) -> dict:
+  """Median total seconds of decoder `name` (from time_side_by_side) and its speedup
+  (a ratio of medians) over 'plain' and 'baseline' where those were timed."""
+  seconds = float(np.median(totals[name]))
+  row = {'seconds': seconds}
+  for reference in ('plain', 'baseline'):
+    if reference in totals:
+      row[f'speedup_vs_{reference}'] = float(np.median(totals[reference])) / seconds
+  return row
+
+
 def compare_verification_options(decode: Callable[[SpeculativeConfig, int], Any],
-                                 specs: Mapping[str, SpeculativeConfig],
-                                 num_items: int) -> list[dict]:
+                                 specs: Mapping[str, SpeculativeConfig], num_items: int,
+                                 repeats: int = 1,
+                                 baseline: Callable[[int], Any] | None = None) -> list[dict]:
   """decode(spec, i) -> the SpeculativeOutput of item i under spec (same inputs and keys
-  for every spec); -> one option_row per spec, in order."""
-  return [option_row(name, spec, [decode(spec, i) for i in range(num_items)])
+  for every spec); baseline(i), if given, the baseline's decode of item i. Every option
+  (and the baseline) is timed by time_side_by_side, interleaved item by item, repeats
+  times; -> per spec, in order, its option_row (from the last repetition's outputs)
+  with its walltime_fields."""
+  decoders = {} if baseline is None else {'baseline': baseline}
+  decoders.update({name: functools.partial(decode, spec) for name, spec in specs.items()})
+  outputs = {}
+  totals = time_side_by_side(decoders, num_items, repeats, outputs)
+  return [{**option_row(name, spec, outputs[name]), **walltime_fields(totals, name)}
           for name, spec in specs.items()]
 
 

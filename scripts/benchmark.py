@@ -18,8 +18,10 @@ For one task, target and set of drafts it measures, in this order:
   batch      tokens/s of baseline and speculative at batch sizes 1, 4, 16 (PNG).
   reference  the baseline against a T5X-style decode loop (cross-attention K/V
              projected at every step) on the same model.
-  options    tokens per target call of plain (token-wise), block and adaptive-gamma
-             verification side by side, same examples and keys (no timing).
+  options    tokens per target call, alpha and walltime of plain (token-wise), block,
+             adaptive-gamma and multi-draft verification side by side, same examples
+             and keys, batch 1, interleaved with the baseline example by example,
+             repeated: speedup over plain speculative decoding and over the baseline.
   beam       beam search against speculative beam search (beam_drafter proposing),
              batch 1, interleaved example by example, repeated: target calls per output
              token, walltime ratio, BLEU/ROUGE of both, identical beams (tokens, and
@@ -353,19 +355,23 @@ def beam_section(setup: Setup, drafter_name, beam: BeamConfig, spec: Speculative
 # Output.
 
 
-def options_section(setup: Setup, drafter_name, gamma, confidence_threshold, temperatures,
-                    num_examples) -> list[dict]:
-  """Tokens per target call of plain, block and adaptive-gamma speculative decoding,
-  side by side on the same examples and keys (batch 1, no timing)."""
+def options_section(setup: Setup, drafter_name, gamma, confidence_threshold, num_drafts,
+                    temperatures, num_examples, repeats) -> list[dict]:
+  """Tokens per target call and walltime of plain, block, adaptive-gamma and multi-draft
+  speculative decoding, side by side on the same examples and keys, batch 1, each
+  timed interleaved with the others and the baseline example by example (median of
+  repeats)."""
   rows = []
-  specs = measure.verification_option_specs(gamma, confidence_threshold)
+  specs = measure.verification_option_specs(gamma, confidence_threshold, num_drafts)
   for temperature in temperatures:
     sampling = SamplingConfig(temperature=temperature)
     decode = lambda spec, i: setup.speculative([i], sampling, drafter_name, gamma,  # noqa: E731
                                                spec=spec)
-    for row in measure.compare_verification_options(decode, specs, num_examples):
+    baseline = lambda i: setup.baseline([i], sampling)  # noqa: E731
+    for row in measure.compare_verification_options(decode, specs, num_examples, repeats,
+                                                    baseline):
       rows.append({'task': setup.task, 'drafter': drafter_name, 'temperature': temperature,
-                   **row})
+                   **row, 'examples': num_examples, 'repeats': repeats})
   return rows
 
 
@@ -430,12 +436,15 @@ def results_markdown(results: dict) -> str:
   if 'options' in results:
     parts += ['\n### Verification options: tokens per target call, same examples and keys\n',
               'plain: token-wise (Algorithm 1); block: block verification; adaptive: rows '
-              'stop drafting below the draft confidence threshold (gamma the maximum). All '
-              'are exact.\n\n',
+              'stop drafting below the draft confidence threshold (gamma the maximum); '
+              'multi-draft k: k branches verified in one target step (temperature 0: a '
+              'top-k tree). All are exact. speedups: ratios of median walltimes, batch 1, '
+              'every option and the baseline interleaved example by example.\n\n',
               markdown_table(results['options'], [
                   'drafter', 'temperature', 'option', 'gamma', 'draft_confidence_threshold',
                   'tokens_per_target_call', 'accepted_per_iteration',
-                  'drafted_per_iteration', 'alpha'])]
+                  'drafted_per_iteration', 'alpha', 'speedup_vs_plain',
+                  'speedup_vs_baseline', 'examples', 'repeats'])]
   if 'beam' in results:
     row = results['beam']
     scores = [k for k in row if k.startswith(('beam_', 'speculative_beam_'))
@@ -512,7 +521,8 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
               sweep_examples: int = 40, batch_sizes=(1, 4, 16),
               batch_examples: int = 64, reference_examples: int = 50,
               options_gamma: int = 4, options_confidence_threshold: float = 0.5,
-              options_temperatures=(0.0, 1.0), options_examples: int = 100,
+              options_num_drafts=(2, 3), options_temperatures=(0.0, 1.0),
+              options_examples: int = 100,
               beam: BeamConfig = BeamConfig(),
               speculative_beam: SpeculativeBeamConfig = SpeculativeBeamConfig(),
               beam_drafter: str | None = None, beam_examples: int = 20,
@@ -522,8 +532,9 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
   alpha_splits: the held-out splits whose inputs the target decodes for alpha, in order,
   until alpha_tokens positions (a small test split can be followed by validation; never
   train, which the drafts and n-gram tables were fitted on).
-  options_*: the 'options' section (tokens per target call of plain / block / adaptive
-  verification for the sweep drafter, on the first options_examples test examples).
+  options_*: the 'options' section (tokens per target call and walltime of plain / block /
+  adaptive / multi-draft verification, k branches for each k in options_num_drafts, for
+  the sweep drafter, on the first options_examples test examples, `repeats` times).
   shared_encoder_drafts: name -> SharedEncoderDrafter, its checkpoint in
   draft_checkpoints[name]; reported as 'shared encoder <name>'.
   beam, speculative_beam, beam_drafter, beam_examples: the 'beam' section (not run by
@@ -572,8 +583,8 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
     results['reference'] = reference_section(setup, temperatures, reference_examples, repeats)
   if 'options' in sections:
     results['options'] = options_section(setup, sweep_drafter, options_gamma,
-                                         options_confidence_threshold, options_temperatures,
-                                         options_examples)
+                                         options_confidence_threshold, options_num_drafts,
+                                         options_temperatures, options_examples, repeats)
   if 'beam' in sections:
     results['beam'] = beam_section(setup, beam_drafter or f't5 {list(t5_drafts)[-1]}', beam,
                                    speculative_beam, beam_examples, repeats)

@@ -264,10 +264,17 @@ def test_benchmark_script_writes_every_table(tmp_path, _unlocked_gin):
   for row in results['table4']:
     assert np.isfinite([row['theorem_3_8_speedup'], row['verify_cost'], row['c']]).all()
   options = {r['option']: r for r in results['options']}
-  assert list(options) == ['plain', 'block', 'adaptive', 'block + adaptive']
+  assert list(options) == ['plain', 'block', 'adaptive', 'block + adaptive',
+                           'multi-draft k=2', 'multi-draft k=3']
+  assert [options[f'multi-draft k={k}']['num_drafts'] for k in (2, 3)] == [2, 3]
   # Greedy block verification keeps token-wise verification's prefix exactly.
   assert options['block']['tokens_per_target_call'] == options['plain']['tokens_per_target_call']
   assert options['adaptive']['drafted_per_iteration'] <= 2.0
+  for row in options.values():  # A call commits 1..gamma + 1 tokens; gamma is 2.
+    assert 1.0 <= row['tokens_per_target_call'] <= 3.0 and 0.0 <= row['alpha'] <= 1.0
+    assert row['seconds'] > 0 and row['speedup_vs_baseline'] > 0
+    assert (row['examples'], row['repeats']) == (2, 1)
+  assert options['plain']['speedup_vs_plain'] == 1.0
   markdown = (tmp_path / 'out' / 'results.md').read_text()
   assert '### Table 2' in markdown and '### Figure 3' in markdown
   assert '### Verification options' in markdown
