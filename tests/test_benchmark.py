@@ -234,10 +234,13 @@ def _unlocked_gin():
   gin.clear_config()
 
 
-def test_benchmark_script_writes_every_table(tmp_path, _unlocked_gin):
+def _run_benchmark_script(tmp_path, bindings: str = ''):
+  """scripts/benchmark.py's benchmark() on the TINY pair (random weights saved as T5X
+  checkpoints under tmp_path) with extra gin bindings, output in tmp_path/out.
+  -> (results, target config, draft config)."""
   gin.clear_config()
   config = tmp_path / 'bench.gin'
-  config.write_text(TINY + f"benchmark.target_checkpoint = '{tmp_path}/target'\n"
+  config.write_text(TINY + bindings + f"benchmark.target_checkpoint = '{tmp_path}/target'\n"
                     f"benchmark.draft_checkpoints = {{'tiny': '{tmp_path}/draft'}}\n"
                     f"benchmark.output_dir = '{tmp_path}/out'\n")
   gin_flags.parse([f'--gin_file={config}'])
@@ -245,7 +248,11 @@ def test_benchmark_script_writes_every_table(tmp_path, _unlocked_gin):
   draft = gin.query_parameter('benchmark.t5_drafts')['tiny'].scoped_configurable_fn()
   save_t5x_checkpoint(tmp_path / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
   save_t5x_checkpoint(tmp_path / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
-  results = benchmark_script.benchmark()
+  return benchmark_script.benchmark(), target, draft
+
+
+def test_benchmark_script_writes_every_table(tmp_path, _unlocked_gin):
+  results, target, draft = _run_benchmark_script(tmp_path)
 
   written = json.loads((tmp_path / 'out' / 'results.json').read_text())
   assert written['task'] == 'ende' and written['machine']['platform'] == 'cpu'
@@ -293,24 +300,14 @@ def test_benchmark_script_writes_every_table(tmp_path, _unlocked_gin):
 
 
 def test_benchmark_beam_rows_compare_beam_and_speculative_beam(tmp_path, _unlocked_gin):
-  gin.clear_config()
-  config = tmp_path / 'bench.gin'
-  config.write_text(TINY + "include 'gin/decoding/beam.gin'\n"
-                    "benchmark.sections = ('beam',)\n"
-                    "benchmark.other_drafters = ()\n"
-                    "benchmark.beam = @jaxspec.BeamConfig()\n"
-                    "benchmark.speculative_beam = @jaxspec.SpeculativeBeamConfig()\n"
-                    "benchmark.beam_examples = 3\n"
-                    "NUM_BEAMS = 2\nBEAM_GAMMA = 2\n"
-                    f"benchmark.target_checkpoint = '{tmp_path}/target'\n"
-                    f"benchmark.draft_checkpoints = {{'tiny': '{tmp_path}/draft'}}\n"
-                    f"benchmark.output_dir = '{tmp_path}/out'\n")
-  gin_flags.parse([f'--gin_file={config}'])
-  target = gin.query_parameter('benchmark.target_model').scoped_configurable_fn()
-  draft = gin.query_parameter('benchmark.t5_drafts')['tiny'].scoped_configurable_fn()
-  save_t5x_checkpoint(tmp_path / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
-  save_t5x_checkpoint(tmp_path / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
-  results = benchmark_script.benchmark()
+  beam_bindings = ("include 'gin/decoding/beam.gin'\n"
+                   "benchmark.sections = ('beam',)\n"
+                   "benchmark.other_drafters = ()\n"
+                   "benchmark.beam = @jaxspec.BeamConfig()\n"
+                   "benchmark.speculative_beam = @jaxspec.SpeculativeBeamConfig()\n"
+                   "benchmark.beam_examples = 3\n"
+                   "NUM_BEAMS = 2\nBEAM_GAMMA = 2\n")
+  results, _, _ = _run_benchmark_script(tmp_path, beam_bindings)
 
   assert set(results) >= {'beam'} and 'table2' not in results and 'alpha' not in results
   row = results['beam']
