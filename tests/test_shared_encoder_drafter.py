@@ -59,7 +59,7 @@ def _narrow_params():
 
 
 @functools.cache
-def _greedy_run(name, gamma):
+def _greedy_run(name, gamma, confidence_threshold=0.0):
   drafter, params = {
       'narrow': (SharedEncoderDrafter(NARROW, TARGET.emb_dim), _narrow_params()),
       'target_decoder': (SharedEncoderDrafter(TARGET, TARGET.emb_dim),
@@ -67,7 +67,8 @@ def _greedy_run(name, gamma):
   }[name]
   return speculative_generate(
       spec_tests._target_params(), params, spec_tests._encoder_tokens(),
-      target_config=TARGET, drafter=drafter, spec=SpeculativeConfig(gamma=gamma),
+      target_config=TARGET, drafter=drafter,
+      spec=SpeculativeConfig(gamma=gamma, draft_confidence_threshold=confidence_threshold),
       max_decode_length=MAX_LEN)
 
 
@@ -126,6 +127,16 @@ def test_greedy_equals_baseline(gamma):
   result = _greedy_run('narrow', gamma)
   np.testing.assert_array_equal(result.output.tokens, spec_tests._baseline().tokens)
   spec_tests._check_stats(result, gamma)
+
+
+def test_greedy_adaptive_gamma_stops_on_the_draft_confidence_and_equals_baseline():
+  # At temperature 0 q is one-hot; the confidence is the draft softmax's largest
+  # probability, so rows stop drafting at every length (not always gamma).
+  gamma = 4
+  result = _greedy_run('narrow', gamma, confidence_threshold=0.5)
+  np.testing.assert_array_equal(result.output.tokens, spec_tests._baseline().tokens)
+  drafted = np.asarray(result.stats.num_drafted_counts)
+  assert drafted[0] == 0 and drafted[1] > 0 and drafted[1:gamma].sum() > 0, drafted
 
 
 @pytest.mark.parametrize('gamma', [3])

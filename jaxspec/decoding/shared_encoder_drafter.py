@@ -18,7 +18,8 @@ import dataclasses
 
 from jaxspec.config import T5Config
 from jaxspec.decoding.drafter import DraftContext
-from jaxspec.decoding.t5_drafter import propose_from_decoder, propose_top_branches_from_decoder
+from jaxspec.decoding.t5_drafter import (propose_from_decoder, propose_top_branches_from_decoder,
+                                         propose_until_unsure)
 from jaxspec.model import T5
 from jaxspec.model.sharding import DRAFT
 from jaxspec.model.shared_encoder_draft import SharedEncoderDraft
@@ -58,20 +59,28 @@ class SharedEncoderDrafter:
     return self.model().apply(params, target_encoded, encoder_tokens, max_length,
                               method=SharedEncoderDraft.init_cache)
 
+  def _decoder(self, params):
+    """decode(tokens [b, k], cache) -> (logits [b, k, v], cache) of the draft decoder."""
+    model = self.model()
+    return lambda tokens, cache: model.apply(params, tokens, cache,
+                                             method=SharedEncoderDraft.decode)
+
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys):
-    model = self.model()
-    decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
-                                               method=SharedEncoderDraft.decode)
-    return propose_from_decoder(decode, state, context, gamma, sampling, keys)
+    return propose_from_decoder(self._decoder(params), state, context, gamma, sampling, keys)
+
+  def propose_with_confidence(self, params, state, context: DraftContext, gamma: int,
+                              sampling: SamplingConfig, keys, stop_below: float):
+    """propose, plus each draft's confidence; the steps stop once every row has drafted
+    one below stop_below (adaptive gamma, as T5Drafter)."""
+    return propose_until_unsure(self._decoder(params), state, context, gamma, sampling, keys,
+                                stop_below)
 
   def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
                            num_branches: int):
     """A greedy token tree for multi-draft verification (propose_top_branches_from_decoder)."""
-    model = self.model()
-    decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
-                                               method=SharedEncoderDraft.decode)
-    return propose_top_branches_from_decoder(decode, state, context, gamma, num_branches)
+    return propose_top_branches_from_decoder(self._decoder(params), state, context, gamma,
+                                             num_branches)
 
   def teacher_forced_logits(self, params, target_encoded, encoder_tokens, decoder_inputs):
     """Logits [b, t, v] at every position of decoder inputs [b, t] (shifted right)."""
@@ -111,6 +120,11 @@ class SharedEncoderDrafterWithTarget:
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys):
     return self.drafter.propose(params['draft'], state, context, gamma, sampling, keys)
+
+  def propose_with_confidence(self, params, state, context: DraftContext, gamma: int,
+                              sampling: SamplingConfig, keys, stop_below: float):
+    return self.drafter.propose_with_confidence(params['draft'], state, context, gamma,
+                                                sampling, keys, stop_below)
 
   def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
                            num_branches: int):
