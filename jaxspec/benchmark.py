@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import inference
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import baseline, common
 from jaxspec.decoding.drafter import DraftContext, Drafter
@@ -444,12 +445,7 @@ def compare_verification_options(decode: Callable[[SpeculativeConfig, int], Any]
 def best_beam_tokens(beam_output, eos_id: int = EOS_ID) -> list[list[int]]:
   """Per row of a BeamOutput, the best beam's tokens (the last; T5X sorts ascending)
   through EOS."""
-  return [_through_eos(row[-1], eos_id) for row in np.asarray(beam_output.tokens)]
-
-
-def _through_eos(tokens, eos_id: int) -> list[int]:
-  tokens = [int(t) for t in tokens]
-  return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+  return [inference.trim_at_eos(row[-1], eos_id) for row in np.asarray(beam_output.tokens)]
 
 
 def beam_comparison(plain_outputs: Sequence[Any], speculative_outputs: Sequence[Any],

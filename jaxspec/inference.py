@@ -140,6 +140,18 @@ def trim_at_eos(tokens: np.ndarray, eos_id: int) -> list[int]:
   return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
 
 
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+  """A markdown table of rows' values in columns (blank where absent); floats with three
+  decimals, small nonzero ones (a score's rounding difference) in scientific notation."""
+  def fmt(value):
+    if isinstance(value, float):
+      return f'{value:.2e}' if 0 < abs(value) < 1e-3 else f'{value:.3f}'
+    return str(value)
+  lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+  lines += ['| ' + ' | '.join(fmt(row.get(c, '')) for c in columns) + ' |' for row in rows]
+  return '\n'.join(lines) + '\n'
+
+
 # Run settings: an output directory holds the records of one set of settings.
 
 SETTINGS_FILE = 'settings.json'

@@ -375,16 +375,6 @@ def options_section(setup: Setup, drafter_name, gamma, confidence_threshold, num
   return rows
 
 
-def markdown_table(rows: list[dict], columns: list[str]) -> str:
-  def fmt(value):  # Small differences (beam scores' rounding) keep their digits.
-    if isinstance(value, float):
-      return f'{value:.2e}' if 0 < abs(value) < 1e-3 else f'{value:.3f}'
-    return str(value)
-  lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
-  lines += ['| ' + ' | '.join(fmt(row.get(c, '')) for c in columns) + ' |' for row in rows]
-  return '\n'.join(lines) + '\n'
-
-
 def results_markdown(results: dict) -> str:
   machine = results['machine']
   parts = [f"## {results['task']}: target {results['target']}\n",
@@ -396,7 +386,7 @@ def results_markdown(results: dict) -> str:
               'identical_outputs counts outputs equal to the baseline\'s token for token: all '
               'of them at temperature 0; at temperature 1 both decoders sample the same '
               'distribution with different draws, so few coincide.\n\n',
-              markdown_table(results['table2'], [
+              inference.markdown_table(results['table2'], [
                   'task', 'drafter', 'temperature', 'gamma', 'alpha',
                   'tokens_per_target_call', 'speedup', 'identical_outputs', 'examples'])]
   if 'alpha' in results:
@@ -406,14 +396,14 @@ def results_markdown(results: dict) -> str:
     splits = ' + '.join(results.get('alpha_splits', ['test']))
     parts += ['\n### Table 3 and Table 5: alpha (lenience l < 1 changes the output)\n',
               f'Target outputs decoded from the {splits} inputs.\n\n',
-              markdown_table(rows, ['drafter', 'temperature', 'alpha', 'positions']
+              inference.markdown_table(rows, ['drafter', 'temperature', 'alpha', 'positions']
                              + lenience_columns)]
   if 'table4' in results:
     parts += ['\n### Table 4: cost coefficient and expected vs measured speedup\n',
               'verify_cost: one target step over gamma + 1 positions / one over 1 position '
               '(Theorem 3.8 takes it as 1). measured_cost_speedup predicts from the '
               'measured proposal and verification times.\n\n',
-              markdown_table(results['table4'], [
+              inference.markdown_table(results['table4'], [
                   'drafter', 'temperature', 'gamma', 'alpha', 'c', 'verify_cost',
                   'theorem_3_8_speedup', 'measured_cost_speedup', 'empirical_speedup'])]
   if 'sweep' in results:
@@ -422,16 +412,16 @@ def results_markdown(results: dict) -> str:
               f"alpha {sweep['alpha']:.3f}, c {sweep['c']:.3f}; optimal gamma: Theorem 3.8 "
               f"{sweep['theorem_3_8_optimal_gamma']}, measured costs "
               f"{sweep['measured_cost_optimal_gamma']})\n",
-              markdown_table(sweep['rows'], ['gamma', 'measured_speedup',
+              inference.markdown_table(sweep['rows'], ['gamma', 'measured_speedup',
                                              'theorem_3_8_speedup', 'measured_cost_speedup'])]
   if 'batch' in results:
     parts += ['\n### Batch size: tokens/s, temperature 0\n',
-              markdown_table(results['batch'], [
+              inference.markdown_table(results['batch'], [
                   'batch_size', 'drafter', 'gamma', 'baseline_tokens_per_second',
                   'speculative_tokens_per_second', 'speedup'])]
   if 'reference' in results:
     parts += ['\n### Baseline against a T5X-style decode loop (cross-attention K/V per step)\n',
-              markdown_table(results['reference'], [
+              inference.markdown_table(results['reference'], [
                   'temperature', 'baseline_speedup', 'identical_outputs', 'examples'])]
   if 'options' in results:
     parts += ['\n### Verification options: tokens per target call, same examples and keys\n',
@@ -440,7 +430,7 @@ def results_markdown(results: dict) -> str:
               'multi-draft k: k branches verified in one target step (temperature 0: a '
               'top-k tree). All are exact. speedups: ratios of median walltimes, batch 1, '
               'every option and the baseline interleaved example by example.\n\n',
-              markdown_table(results['options'], [
+              inference.markdown_table(results['options'], [
                   'drafter', 'temperature', 'option', 'gamma', 'draft_confidence_threshold',
                   'tokens_per_target_call', 'accepted_per_iteration',
                   'drafted_per_iteration', 'alpha', 'speedup_vs_plain',
@@ -455,7 +445,7 @@ def results_markdown(results: dict) -> str:
               'walltime over speculative beam search\'s, interleaved example by example. '
               'identical: examples whose beams agree in tokens, and in tokens and scores '
               'exactly.\n\n',
-              markdown_table([row], [
+              inference.markdown_table([row], [
                   'task', 'drafter', 'num_beams', 'draft_beams', 'gamma', 'brevity_alpha',
                   'beam_target_calls_per_token', 'speculative_beam_target_calls_per_token',
                   'search_steps_per_target_call', 'speedup', 'identical_tokens',

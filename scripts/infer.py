@@ -308,13 +308,8 @@ def summarize(task, metric, draft_name, sampling, spec, writers, indices, beam=N
 
 
 def summary_markdown(summary: dict) -> str:
-  keys = [k for k in summary if not isinstance(summary[k], (list, dict))]
-  def fmt(value):  # Small differences (beam scores' rounding) keep their digits.
-    if isinstance(value, float):
-      return f'{value:.2e}' if 0 < abs(value) < 1e-3 else f'{value:.3f}'
-    return str(value)
-  return ('| ' + ' | '.join(keys) + ' |\n|' + '---|' * len(keys) + '\n| '
-          + ' | '.join(fmt(summary[k]) for k in keys) + ' |\n')
+  return inference.markdown_table(
+      [summary], [k for k in summary if not isinstance(summary[k], (list, dict))])
 
 
 def check_beam_settings(*, target_model, drafter, decoders, max_decode_length, sampling,

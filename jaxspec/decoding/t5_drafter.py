@@ -34,29 +34,27 @@ class T5Drafter:
     encoded = model.apply(params, encoder_tokens, method=T5.encode)
     return model.apply(params, encoded, encoder_tokens, max_length, method=T5.init_cache)
 
+  def _decoder(self, params):
+    """decode(tokens [b, k], cache) -> (logits [b, k, v], cache) of this draft model."""
+    model = T5(self.config, role=DRAFT)
+    return lambda tokens, cache: model.apply(params, tokens, cache, method=T5.decode)
+
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys):
-    model = T5(self.config, role=DRAFT)
-    decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
-                                               method=T5.decode)
-    return propose_from_decoder(decode, state, context, gamma, sampling, keys)
+    return propose_from_decoder(self._decoder(params), state, context, gamma, sampling, keys)
 
   def propose_with_confidence(self, params, state, context: DraftContext, gamma: int,
                               sampling: SamplingConfig, keys, stop_below: float):
     """propose, plus the confidence of each draft; the draft steps stop once every row
     has drafted a token whose confidence is below stop_below (adaptive gamma)."""
-    model = T5(self.config, role=DRAFT)
-    decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
-                                               method=T5.decode)
-    return propose_until_unsure(decode, state, context, gamma, sampling, keys, stop_below)
+    return propose_until_unsure(self._decoder(params), state, context, gamma, sampling, keys,
+                                stop_below)
 
   def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
                            num_branches: int):
     """A greedy token tree for multi-draft verification (propose_top_branches_from_decoder)."""
-    model = T5(self.config, role=DRAFT)
-    decode = lambda tokens, cache: model.apply(params, tokens, cache,  # noqa: E731
-                                               method=T5.decode)
-    return propose_top_branches_from_decoder(decode, state, context, gamma, num_branches)
+    return propose_top_branches_from_decoder(self._decoder(params), state, context, gamma,
+                                             num_branches)
 
 
 def propose_until_unsure(decode, cache: DecoderCache, context: DraftContext, gamma: int,
