@@ -448,24 +448,34 @@ def best_beam_tokens(beam_output, eos_id: int = EOS_ID) -> list[list[int]]:
   return [inference.trim_at_eos(row[-1], eos_id) for row in np.asarray(beam_output.tokens)]
 
 
+def beam_agreement(plain_beams, speculative_beams) -> tuple[int, int, float]:
+  """plain_beams, speculative_beams: per example (every beam's tokens, every beam's
+  score) -> (examples equal in every beam's tokens, equal in tokens and scores exactly,
+  the largest score difference)."""
+  same_tokens = [a[0] == b[0] for a, b in zip(plain_beams, speculative_beams)]
+  same_scores = [a[1] == b[1] for a, b in zip(plain_beams, speculative_beams)]
+  differences = [abs(x - y) for a, b in zip(plain_beams, speculative_beams)
+                 for x, y in zip(a[1], b[1])]
+  return (sum(same_tokens), sum(t and s for t, s in zip(same_tokens, same_scores)),
+          max(differences, default=0.0))
+
+
 def beam_comparison(plain_outputs: Sequence[Any], speculative_outputs: Sequence[Any],
                     eos_id: int = EOS_ID) -> dict:
   """From per-item BeamOutputs of beam search and SpeculativeBeamOutputs over the same
   inputs: target calls of each (a plain search calls the target once per step), both
   per output token of the best beams, search steps per speculative call, and how many
-  items agree in every beam's tokens, and in tokens and scores exactly (the largest
-  score difference beside)."""
+  examples (rows) agree in every beam's tokens through EOS, and in tokens and scores
+  exactly (the largest score difference beside; beam_agreement)."""
   tokens = sum(len(t) for o in plain_outputs for t in best_beam_tokens(o, eos_id))
   plain_calls = sum(int(o.steps) for o in plain_outputs)
   speculative_calls = sum(int(o.stats.target_calls) for o in speculative_outputs)
-  same_tokens, same_both, difference = 0, 0, 0.0
-  for plain, speculative in zip(plain_outputs, speculative_outputs):
-    tokens_equal = np.array_equal(np.asarray(plain.tokens), np.asarray(speculative.output.tokens))
-    plain_scores, speculative_scores = (np.asarray(plain.scores),
-                                        np.asarray(speculative.output.scores))
-    same_tokens += tokens_equal
-    same_both += tokens_equal and np.array_equal(plain_scores, speculative_scores)
-    difference = max(difference, float(np.max(np.abs(plain_scores - speculative_scores))))
+  def beams(output, row):  # -> (every beam's tokens through EOS, every beam's score)
+    return ([inference.trim_at_eos(t, eos_id) for t in np.asarray(output.tokens)[row]],
+            np.asarray(output.scores)[row].tolist())
+  same_tokens, same_both, difference = beam_agreement(
+      [beams(o, row) for o in plain_outputs for row in range(len(o.scores))],
+      [beams(o.output, row) for o in speculative_outputs for row in range(len(o.output.scores))])
   return {'tokens': tokens, 'beam_target_calls': plain_calls,
           'speculative_beam_target_calls': speculative_calls,
           'beam_target_calls_per_token': plain_calls / max(tokens, 1),

@@ -44,7 +44,7 @@ from jax.experimental import multihost_utils
 
 import gin_flags  # scripts/gin_flags.py
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
-from jaxspec import decode_view, inference, metrics, validation
+from jaxspec import benchmark as measure, decode_view, inference, metrics, validation
 from jaxspec import partitioning as partitioning_lib
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
@@ -245,12 +245,9 @@ def beam_comparison(beam_records, speculative_records) -> dict:
   calls = {name: _batch_total(records, 'batch_target_calls')
            for name, records in (('beam', beam_records),
                                  ('speculative_beam', speculative_records))}
-  same_tokens = [a['beam_tokens'] == b['beam_tokens']
-                 for a, b in zip(beam_records, speculative_records)]
-  same_scores = [a['beam_scores'] == b['beam_scores']
-                 for a, b in zip(beam_records, speculative_records)]
-  differences = [abs(x - y) for a, b in zip(beam_records, speculative_records)
-                 for x, y in zip(a['beam_scores'], b['beam_scores'])]
+  same_tokens, same_both, difference = measure.beam_agreement(
+      *[[(r['beam_tokens'], r['beam_scores']) for r in records]
+        for records in (beam_records, speculative_records)])
   return {
       'beam_target_calls': calls['beam'],
       'speculative_beam_target_calls': calls['speculative_beam'],
@@ -258,9 +255,8 @@ def beam_comparison(beam_records, speculative_records) -> dict:
       'speculative_beam_target_calls_per_token': calls['speculative_beam'] / max(tokens, 1),
       'search_steps_per_target_call': (_batch_total(speculative_records, 'batch_search_steps')
                                        / max(calls['speculative_beam'], 1)),
-      'identical_beam_tokens': sum(same_tokens),
-      'identical_beam_tokens_and_scores': sum(t and s for t, s in zip(same_tokens, same_scores)),
-      'max_beam_score_difference': max(differences, default=0.0)}
+      'identical_beam_tokens': same_tokens, 'identical_beam_tokens_and_scores': same_both,
+      'max_beam_score_difference': difference}
 
 
 def summarize(task, metric, draft_name, sampling, spec, writers, indices, beam=None,
