@@ -18,8 +18,7 @@ import dataclasses
 
 from jaxspec.config import T5Config
 from jaxspec.decoding.drafter import DraftContext
-from jaxspec.decoding.t5_drafter import (propose_from_decoder, propose_top_branches_from_decoder,
-                                         propose_until_unsure)
+from jaxspec.decoding.t5_drafter import CachedDecoderDrafter
 from jaxspec.model import T5
 from jaxspec.model.sharding import DRAFT
 from jaxspec.model.shared_encoder_draft import SharedEncoderDraft
@@ -27,7 +26,7 @@ from jaxspec.sampling import SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class SharedEncoderDrafter:
+class SharedEncoderDrafter(CachedDecoderDrafter):
   """A draft decoder cross-attending to the target's encoder output.
 
   config: the draft decoder (vocabulary, width, heads, decoder layers, MLP); its
@@ -64,23 +63,6 @@ class SharedEncoderDrafter:
     model = self.model()
     return lambda tokens, cache: model.apply(params, tokens, cache,
                                              method=SharedEncoderDraft.decode)
-
-  def propose(self, params, state, context: DraftContext, gamma: int,
-              sampling: SamplingConfig, keys):
-    return propose_from_decoder(self._decoder(params), state, context, gamma, sampling, keys)
-
-  def propose_with_confidence(self, params, state, context: DraftContext, gamma: int,
-                              sampling: SamplingConfig, keys, stop_below: float):
-    """propose, plus each draft's confidence; the steps stop once every row has drafted
-    one below stop_below (adaptive gamma, as T5Drafter)."""
-    return propose_until_unsure(self._decoder(params), state, context, gamma, sampling, keys,
-                                stop_below)
-
-  def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
-                           num_branches: int):
-    """A greedy token tree for multi-draft verification (propose_top_branches_from_decoder)."""
-    return propose_top_branches_from_decoder(self._decoder(params), state, context, gamma,
-                                             num_branches)
 
   def teacher_forced_logits(self, params, target_encoded, encoder_tokens, decoder_inputs):
     """Logits [b, t, v] at every position of decoder inputs [b, t] (shifted right)."""

@@ -14,8 +14,34 @@ from jaxspec.model.sharding import DRAFT
 from jaxspec.sampling import SamplingConfig, standardize
 
 
+class CachedDecoderDrafter:
+  """The proposal routes of a drafter that decodes with a cached decoder: subclasses
+  define `_decoder(params)` -> decode(tokens [b, k], cache) -> (logits [b, k, v], cache)
+  and keep their DecoderCache as the drafter state."""
+
+  def _decoder(self, params):
+    raise NotImplementedError
+
+  def propose(self, params, state, context: DraftContext, gamma: int,
+              sampling: SamplingConfig, keys):
+    return propose_from_decoder(self._decoder(params), state, context, gamma, sampling, keys)
+
+  def propose_with_confidence(self, params, state, context: DraftContext, gamma: int,
+                              sampling: SamplingConfig, keys, stop_below: float):
+    """propose, plus the confidence of each draft; the draft steps stop once every row
+    has drafted a token whose confidence is below stop_below (adaptive gamma)."""
+    return propose_until_unsure(self._decoder(params), state, context, gamma, sampling, keys,
+                                stop_below)
+
+  def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
+                           num_branches: int):
+    """A greedy token tree for multi-draft verification (propose_top_branches_from_decoder)."""
+    return propose_top_branches_from_decoder(self._decoder(params), state, context, gamma,
+                                             num_branches)
+
+
 @dataclasses.dataclass(frozen=True)
-class T5Drafter:
+class T5Drafter(CachedDecoderDrafter):
   """A smaller T5 over the same vocabulary, with its own encoder pass and cache.
 
   Rollback is by index: each proposal starts by setting the cache's end to
@@ -38,23 +64,6 @@ class T5Drafter:
     """decode(tokens [b, k], cache) -> (logits [b, k, v], cache) of this draft model."""
     model = T5(self.config, role=DRAFT)
     return lambda tokens, cache: model.apply(params, tokens, cache, method=T5.decode)
-
-  def propose(self, params, state, context: DraftContext, gamma: int,
-              sampling: SamplingConfig, keys):
-    return propose_from_decoder(self._decoder(params), state, context, gamma, sampling, keys)
-
-  def propose_with_confidence(self, params, state, context: DraftContext, gamma: int,
-                              sampling: SamplingConfig, keys, stop_below: float):
-    """propose, plus the confidence of each draft; the draft steps stop once every row
-    has drafted a token whose confidence is below stop_below (adaptive gamma)."""
-    return propose_until_unsure(self._decoder(params), state, context, gamma, sampling, keys,
-                                stop_below)
-
-  def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
-                           num_branches: int):
-    """A greedy token tree for multi-draft verification (propose_top_branches_from_decoder)."""
-    return propose_top_branches_from_decoder(self._decoder(params), state, context, gamma,
-                                             num_branches)
 
 
 def propose_until_unsure(decode, cache: DecoderCache, context: DraftContext, gamma: int,
