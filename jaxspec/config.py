@@ -38,6 +38,9 @@ class T5Config:
   dtype: str = 'float32'
   # Dtype in which parameters are created (loaded ones keep their own dtype).
   param_dtype: str = 'float32'
+  # Products of a few positions with transposed kernels or the embedding on CPU:
+  # 'kernel' (jaxspec.model.cpu_matmul's few-row kernel, where it applies) or 'xla'.
+  cpu_matmul: str = 'kernel'
 
   def __post_init__(self):
     if self.mlp_activations not in (('gelu', 'linear'), ('relu',)):
@@ -50,6 +53,8 @@ class T5Config:
         raise ValueError(f'{name} must be >= 1, got {getattr(self, name)}')
     jnp.dtype(self.dtype)
     jnp.dtype(self.param_dtype)
+    if self.cpu_matmul not in ('kernel', 'xla'):
+      raise ValueError(f"cpu_matmul must be 'kernel' or 'xla', got {self.cpu_matmul!r}")
 
   @property
   def compute_dtype(self):

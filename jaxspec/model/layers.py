@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import T5Config
+from jaxspec.model import cpu_matmul
 from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_AXES, TARGET,
                                     constrain)
 
@@ -42,19 +43,7 @@ class RMSNorm(nn.Module):
 
 
 # Inputs with at most this many positions per row are contracted as kernel_t @ x^T.
-FEW_POSITIONS = 16
-
-
-def dot_transposed_kernel(x, kernel_t):
-  """x [..., in] @ kernel_t [out, in]^T -> [..., out].
-
-  A decode step of a few positions ([b, t, in] with t <= FEW_POSITIONS) is contracted
-  into [b, out, t] and then swapped: for such shapes XLA:CPU picks a much faster matmul
-  than for x @ kernel (jaxspec.model.kernel_layout says why and by how much).
-  """
-  if x.ndim == 3 and x.shape[1] <= FEW_POSITIONS:
-    return jnp.swapaxes(jnp.einsum('bti,oi->bot', x, kernel_t), 1, 2)  # [b, t, out]
-  return jnp.einsum('...i,oi->...o', x, kernel_t)
+FEW_POSITIONS = cpu_matmul.MAX_ROWS
 
 
 class Dense(nn.Module):
@@ -63,6 +52,8 @@ class Dense(nn.Module):
   The kernel is stored as T5X stores it, `kernel` [in_features, out_features], or
   transposed as `kernel_t` [out_features, in_features] (the decode layout for XLA:CPU,
   made by jaxspec.model.kernel_layout); the module uses whichever the params hold.
+  A transposed kernel applied to a few positions on CPU runs through jaxspec's few-row
+  kernel (jaxspec.model.cpu_matmul) unless config.cpu_matmul is 'xla'.
   Initialization creates `kernel`.
   """
   features: int
@@ -79,7 +70,8 @@ class Dense(nn.Module):
       kernel_t = param_with_axes(KERNEL_T, _transposed_init(self.kernel_init),
                                  (self.features, x.shape[-1]), param_dtype,
                                  axes=self.kernel_axes[::-1])
-      return dot_transposed_kernel(x.astype(dtype), kernel_t.astype(dtype))
+      return cpu_matmul.matmul_transposed(x.astype(dtype), kernel_t.astype(dtype),
+                                          self.config.cpu_matmul)
     kernel = param_with_axes(KERNEL, self.kernel_init, (x.shape[-1], self.features),
                              param_dtype, axes=self.kernel_axes)
     return jnp.dot(x.astype(dtype), kernel.astype(dtype))
@@ -104,11 +96,12 @@ class Embed(nn.Module):
     return jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_dtype)
 
   def attend(self, x):  # [b, t, e] -> [b, t, v] float32
-    # Contracted into [b, v, t], then swapped: XLA:CPU runs x @ embedding.T several
-    # times slower once t >= 2 (a verify step), while this order stays near t = 1's cost.
-    logits = jnp.einsum('bte,ve->bvt', x.astype(jnp.float32),
-                        self.embedding.astype(jnp.float32))  # [b, v, t]
-    return jnp.swapaxes(logits, 1, 2)
+    # The table is [v, e], the [out, in] layout: a few positions run through the few-row
+    # kernel on CPU; otherwise XLA contracts into [b, v, t] and swaps, since XLA:CPU runs
+    # x @ embedding.T several times slower once t >= 2 (a verify step).
+    return cpu_matmul.matmul_transposed(x.astype(jnp.float32),
+                                        self.embedding.astype(jnp.float32),
+                                        self.config.cpu_matmul)
 
 
 def relative_position_bucket(relative_position, bidirectional: bool,

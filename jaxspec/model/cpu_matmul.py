@@ -1,0 +1,186 @@
+"""jaxspec's CPU kernel for products of a few rows with a weight matrix.
+
+A decode step multiplies 1..gamma+1 positions by every weight matrix. XLA:CPU runs one
+row at memory speed but 2..9 rows through a matrix-matrix path that costs about twice
+as much, so a verify step costs ~2x a one-position step (docs/design.md, "Kernel layout
+and the cost of a verify step"). `cpu_kernels/few_row_matmul.cc` is an XLA FFI handler
+that reads each weight once and keeps every row in registers (AVX2 + FMA, the rows
+split across XLA's intra-op threads): k rows cost little more than one, and the
+one-row product is faster than XLA's.
+
+  few_row_matmul(x, w_t)             x [..., in] @ w_t [out, in]^T through the kernel
+  matmul_transposed(x, w_t, kernel)  the kernel where it applies, else XLA's einsum
+  kernel_available()                 builds (once) and registers the kernel; False if not
+
+Where it applies: float32 operands, at most MAX_ROWS rows (the product of x's leading
+dims), JAX's default backend is the CPU, and `T5Config.cpu_matmul == 'kernel'`.
+Elsewhere (prefill, training, bfloat16, TPU/GPU) XLA's einsum runs as before.
+
+Exactness: the kernel sums every output in the same order whatever the number of rows,
+so a row of a k-row product is bit-identical to its one-row product; a verify step
+and the baseline's steps compute the same logits bit for bit. Against XLA's einsum
+the results differ by float32 rounding only (tests/test_cpu_matmul.py).
+
+The source is compiled on first use with the C++ compiler found as $CXX, g++ or c++,
+against the FFI headers jaxlib ships, into a cache directory ($JAXSPEC_KERNEL_CACHE,
+default ~/.cache/jaxspec/kernels) under a name keyed by the source, the compiler
+flags and the jaxlib version. Without a compiler, AVX2 or FMA, or when the build
+fails, one warning says why and every product runs through XLA (same results up to
+rounding, slower verify steps).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KERNEL = 'kernel'  # T5Config.cpu_matmul: the few-row kernel where it applies
+XLA = 'xla'  # T5Config.cpu_matmul: XLA's einsum everywhere
+CPU_MATMULS = (KERNEL, XLA)
+MAX_ROWS = 16  # The kernel's limit on rows per product (kMaxRows in the source).
+TARGET_NAME = 'jaxspec_few_row_matmul'
+SOURCE = pathlib.Path(__file__).parent / 'cpu_kernels' / 'few_row_matmul.cc'
+COMPILE_FLAGS = ('-O3', '-mavx2', '-mfma', '-std=c++17', '-shared', '-fPIC', '-w')
+_SYMBOL = 'JaxspecFewRowMatmul'
+
+
+def xla_matmul_transposed(x, w_t):
+  """x [..., in] @ w_t [out, in]^T -> [..., out] through XLA.
+
+  A [b, t, in] input with t <= MAX_ROWS is contracted into [b, out, t] and swapped:
+  for such shapes XLA:CPU picks a faster matmul than for x @ w_t.T.
+  """
+  if x.ndim == 3 and x.shape[1] <= MAX_ROWS:
+    return jnp.swapaxes(jnp.einsum('bti,oi->bot', x, w_t), 1, 2)  # [b, t, out]
+  return jnp.einsum('...i,oi->...o', x, w_t)
+
+
+def _cpu_has_avx2_fma() -> bool:
+  if platform.machine().lower() not in ('x86_64', 'amd64'):
+    return False
+  try:
+    with open('/proc/cpuinfo') as cpuinfo:
+      for line in cpuinfo:
+        if line.startswith('flags'):
+          flags = set(line.split(':', 1)[1].split())
+          return {'avx2', 'fma'} <= flags
+  except OSError:
+    pass
+  return False
+
+
+def _compiler() -> str | None:
+  for name in (os.environ.get('CXX'), 'g++', 'c++', 'clang++'):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return None
+
+
+def cache_dir() -> pathlib.Path:
+  """Where built kernels are kept ($JAXSPEC_KERNEL_CACHE or ~/.cache/jaxspec/kernels)."""
+  default = pathlib.Path(os.environ.get('XDG_CACHE_HOME', pathlib.Path.home() / '.cache'))
+  return pathlib.Path(os.environ.get('JAXSPEC_KERNEL_CACHE', default / 'jaxspec' / 'kernels'))
+
+
+def library_path(compiler: str) -> pathlib.Path:
+  """The built library's path, keyed by source, compiler, flags and jaxlib version."""
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  key = hashlib.sha256()
+  for part in (SOURCE.read_bytes(), compiler.encode(), ' '.join(COMPILE_FLAGS).encode(),
+               jaxlib.__version__.encode()):
+    key.update(part)
+    key.update(b'\0')
+  return cache_dir() / f'few_row_matmul-{key.hexdigest()[:16]}.so'
+
+
+def build(compiler: str, path: pathlib.Path) -> None:
+  """Compiles SOURCE into `path` (atomically: concurrent builders never see half a file)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+    built = pathlib.Path(scratch) / path.name
+    command = [compiler, *COMPILE_FLAGS, f'-I{jax.ffi.include_dir()}', str(SOURCE),
+               '-o', str(built)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+      raise RuntimeError(f'{" ".join(command)} failed:\n{result.stderr[-2000:]}')
+    os.replace(built, path)
+
+
+@functools.cache
+def kernel_available() -> bool:
+  """Builds (first call per cache) and registers the kernel; False, warning once, if it can't."""
+  if not _cpu_has_avx2_fma():
+    return _unavailable('this CPU lacks AVX2 or FMA')
+  compiler = _compiler()
+  if compiler is None:
+    return _unavailable('no C++ compiler ($CXX, g++, c++ or clang++) is on PATH')
+  try:
+    path = library_path(compiler)
+    if not path.exists():
+      build(compiler, path)
+    library = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(getattr(library, _SYMBOL)),
+                                platform='cpu')
+  except (OSError, RuntimeError, AttributeError) as error:
+    return _unavailable(f'building or loading it failed: {error}')
+  return True
+
+
+def _unavailable(reason: str) -> bool:
+  warnings.warn(f'jaxspec CPU matmul kernel unavailable ({reason}); decode steps use '
+                "XLA's matmul (same results up to rounding, slower verify steps)",
+                RuntimeWarning, stacklevel=3)
+  return False
+
+
+def applies(x, w_t) -> bool:
+  """Whether the kernel can compute x [..., in] @ w_t [out, in]^T (shapes and dtypes)."""
+  rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+  return (x.dtype == jnp.float32 and w_t.dtype == jnp.float32 and w_t.ndim == 2
+          and x.ndim >= 1 and x.shape[-1] == w_t.shape[1] and 1 <= rows <= MAX_ROWS)
+
+
+def _ffi_matmul(x, w_t):
+  return jax.ffi.ffi_call(TARGET_NAME,
+                          jax.ShapeDtypeStruct(x.shape[:-1] + (w_t.shape[0],), jnp.float32),
+                          vmap_method='sequential')(x, w_t)
+
+
+@jax.custom_jvp
+def few_row_matmul(x, w_t):
+  """x [..., in] @ w_t [out, in]^T -> [..., out] through the kernel (applies(x, w_t))."""
+  return _ffi_matmul(x, w_t)
+
+
+@few_row_matmul.defjvp
+def _few_row_matmul_jvp(primals, tangents):
+  x, w_t = primals
+  dx, dw_t = tangents
+  return (few_row_matmul(x, w_t),
+          xla_matmul_transposed(dx, w_t) + xla_matmul_transposed(x, dw_t))
+
+
+def use_kernel(cpu_matmul: str) -> bool:
+  """Whether products of a few rows go through the kernel under this setting."""
+  if cpu_matmul not in CPU_MATMULS:
+    raise ValueError(f'cpu_matmul must be one of {CPU_MATMULS}, got {cpu_matmul!r}')
+  return cpu_matmul == KERNEL and jax.default_backend() == 'cpu' and kernel_available()
+
+
+def matmul_transposed(x, w_t, cpu_matmul: str = KERNEL):
+  """x [..., in] @ w_t [out, in]^T -> [..., out]: the kernel where it applies, else XLA."""
+  if applies(x, w_t) and use_kernel(cpu_matmul):
+    return few_row_matmul(x, w_t)
+  return xla_matmul_transposed(x, w_t)

@@ -1,0 +1,128 @@
+"""jaxspec.model.cpu_matmul: the few-row CPU kernel against float64 products and XLA.
+
+The decoders' exactness suites run through the kernel too (cpu_matmul 'kernel' is the
+default and the CPU is the tests' backend); here: the kernel's own arithmetic, the
+property that makes verify steps exact (a row's result does not depend on how many rows
+share the product), where it applies, and what happens where it cannot be built.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.config import T5Config, get_config
+from jaxspec.model import T5, cpu_matmul, init_params, kernel_layout
+
+needs_kernel = pytest.mark.skipif(not cpu_matmul.kernel_available(),
+                                reason='the kernel needs x86-64 with AVX2 + FMA and a C++ compiler')
+
+_kernel = jax.jit(cpu_matmul.few_row_matmul)
+
+
+def _operands(rows, inputs, outputs, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((rows, inputs)).astype(np.float32)
+  w_t = rng.standard_normal((outputs, inputs)).astype(np.float32)
+  return x, w_t
+
+
+@needs_kernel
+@pytest.mark.parametrize('rows,inputs,outputs', [
+    (1, 64, 40),  # one row, one thread (fewer than 256 outputs)
+    (3, 77, 515),  # a tail of inputs past the last 8-lane block; outputs split in parts
+    (16, 512, 1030),  # the most rows; outputs not a multiple of the 8- and 4-row blocks
+])
+def test_kernel_matches_float64_product(rows, inputs, outputs):
+  x, w_t = _operands(rows, inputs, outputs)
+  expected = x.astype(np.float64) @ w_t.astype(np.float64).T
+  got = np.asarray(_kernel(jnp.asarray(x), jnp.asarray(w_t)))
+  scale = np.abs(x).astype(np.float64) @ np.abs(w_t).astype(np.float64).T
+  assert got.shape == (rows, outputs)
+  assert np.all(np.abs(got - expected) <= 1e-6 * scale + 1e-6)
+
+
+@needs_kernel
+def test_a_row_is_bit_identical_whatever_rows_share_the_product():
+  """What keeps a verify step's logits equal to the one-position steps' logits."""
+  x, w_t = _operands(9, 260, 600, seed=1)
+  x, w_t = jnp.asarray(x), jnp.asarray(w_t)
+  singles = np.stack([np.asarray(_kernel(x[n:n + 1], w_t))[0] for n in range(9)])
+  for k in range(2, 10):
+    np.testing.assert_array_equal(np.asarray(_kernel(x[:k], w_t)), singles[:k])
+  # Leading dims are rows too: [b, t, in].
+  np.testing.assert_array_equal(np.asarray(_kernel(x[:8].reshape(2, 4, 260), w_t)),
+                                singles[:8].reshape(2, 4, 600))
+
+
+@needs_kernel
+def test_where_the_kernel_applies():
+  w_t = jnp.ones((32, 8), jnp.float32)
+  assert cpu_matmul.applies(jnp.ones((1, 16, 8), jnp.float32), w_t)
+  assert not cpu_matmul.applies(jnp.ones((2, 9, 8), jnp.float32), w_t)  # 18 rows
+  assert not cpu_matmul.applies(jnp.ones((1, 4, 8), jnp.bfloat16), w_t)
+  assert not cpu_matmul.applies(jnp.ones((1, 0, 8), jnp.float32), w_t)
+
+  def calls_kernel(x, setting):
+    jaxpr = jax.make_jaxpr(lambda x: cpu_matmul.matmul_transposed(x, w_t, setting))(x)
+    return cpu_matmul.TARGET_NAME in str(jaxpr)
+
+  assert calls_kernel(jnp.ones((1, 4, 8), jnp.float32), cpu_matmul.KERNEL)
+  assert not calls_kernel(jnp.ones((1, 4, 8), jnp.float32), cpu_matmul.XLA)
+  assert not calls_kernel(jnp.ones((2, 9, 8), jnp.float32), cpu_matmul.KERNEL)
+  with pytest.raises(ValueError, match='cpu_matmul'):
+    cpu_matmul.matmul_transposed(jnp.ones((1, 4, 8), jnp.float32), w_t, 'fast')
+  with pytest.raises(ValueError, match='cpu_matmul'):
+    T5Config(cpu_matmul='fast')
+
+
+@needs_kernel
+def test_gradients_and_vmap_match_xla():
+  x, w_t = (jnp.asarray(a) for a in _operands(4, 48, 300, seed=2))
+
+  def loss(matmul):
+    return lambda x, w_t: jnp.sum(jnp.sin(matmul(x, w_t)))
+
+  ours = jax.grad(loss(cpu_matmul.few_row_matmul), argnums=(0, 1))(x, w_t)
+  xla = jax.grad(loss(cpu_matmul.xla_matmul_transposed), argnums=(0, 1))(x, w_t)
+  for a, b in zip(ours, xla):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+  batched = jax.vmap(cpu_matmul.few_row_matmul, in_axes=(0, None))(x[:, None], w_t)
+  np.testing.assert_array_equal(np.asarray(batched)[:, 0], np.asarray(_kernel(x, w_t)))
+
+
+@needs_kernel
+def test_decode_step_uses_the_kernel_and_agrees_with_xla():
+  config = get_config('test_tiny_1_1')
+  params = kernel_layout.transposed_kernels(
+      {'params': init_params(config, jax.random.PRNGKey(0))['params']})
+  encoder_tokens = jnp.asarray([[5, 6, 7, 8, 1]], jnp.int32)
+  tokens = jnp.asarray([[0, 9, 10]], jnp.int32)
+
+  def decode(setting):
+    model = T5(config.replace(cpu_matmul=setting))
+    encoded = model.apply(params, encoder_tokens, method=T5.encode)
+    cache = model.apply(params, encoded, encoder_tokens, 8, method=T5.init_cache)
+    return lambda: model.apply(params, tokens, cache, method=T5.decode)[0]
+
+  assert cpu_matmul.TARGET_NAME in str(jax.make_jaxpr(decode(cpu_matmul.KERNEL))())
+  assert cpu_matmul.TARGET_NAME not in str(jax.make_jaxpr(decode(cpu_matmul.XLA))())
+  np.testing.assert_allclose(np.asarray(decode(cpu_matmul.KERNEL)()),
+                             np.asarray(decode(cpu_matmul.XLA)()), rtol=1e-5, atol=1e-5)
+
+
+def test_no_compiler_or_a_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path):
+  check = cpu_matmul.kernel_available.__wrapped__  # uncached: the registered kernel stays
+  monkeypatch.setattr(cpu_matmul, '_compiler', lambda: None)
+  with pytest.warns(RuntimeWarning, match='no C\\+\\+ compiler'):
+    assert check() is False
+  monkeypatch.setenv('JAXSPEC_KERNEL_CACHE', str(tmp_path))
+  monkeypatch.setattr(cpu_matmul, '_compiler', lambda: '/bin/false')
+  with pytest.warns(RuntimeWarning, match='failed'):
+    assert check() is False
+  assert not list(tmp_path.glob('*.so'))  # nothing half-written is left to load
+  # Unavailable, the products run through XLA and give the same numbers up to rounding.
+  monkeypatch.setattr(cpu_matmul, 'kernel_available', lambda: False)
+  x, w_t = (jnp.asarray(a) for a in _operands(2, 16, 24))
+  np.testing.assert_allclose(np.asarray(cpu_matmul.matmul_transposed(x[None], w_t))[0],
+                             np.asarray(x) @ np.asarray(w_t).T, rtol=1e-5, atol=1e-5)
