@@ -2,7 +2,8 @@
 
 Theorem 3.8 takes a verify step over gamma + 1 positions to cost one step. This module
 measures V(k) = time(step over k positions) / time(step over 1 position) for a target,
-in each kernel layout (jaxspec.model.kernel_layout), with every (layout, k) timed in
+in each variant of the decode matmuls (VARIANTS: the kernel layout of
+jaxspec.model.kernel_layout and T5Config.cpu_matmul), with every (variant, k) timed in
 turn within each repetition so that machine load hits all of them alike; plus the
 FLOPs and bytes XLA's cost analysis assigns to each compiled step, and the fraction
 of this machine's measured memory bandwidth and matmul throughput the step reaches.
@@ -23,6 +24,20 @@ import numpy as np
 from jaxspec import benchmark
 from jaxspec.config import T5Config
 from jaxspec.model import T5, init_params, kernel_layout, rollback
+
+
+# Variant name -> (kernel layout, T5Config.cpu_matmul).
+VARIANTS: dict[str, tuple[str, str]] = {
+    't5x': (kernel_layout.T5X, 'xla'),  # kernel [in, out], XLA's dot
+    'transposed': (kernel_layout.TRANSPOSED, 'xla'),  # kernel_t [out, in], XLA's einsum
+    'kernel': (kernel_layout.TRANSPOSED, 'kernel'),  # kernel_t through the few-row kernel
+}
+
+
+def variant(params, config: T5Config, name: str):
+  """(params, config) of a variant: params in its layout, config with its cpu_matmul."""
+  layout, cpu_matmul = VARIANTS[name]
+  return kernel_layout.to_layout(params, layout), config.replace(cpu_matmul=cpu_matmul)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +75,12 @@ def _one_step(params, cache, tokens, *, config: T5Config, cache_position: int):
 
 def step_cost_analysis(params, cache, tokens, config: T5Config,
                        cache_position: int) -> dict[str, float]:
-  """{'flops', 'bytes'} XLA's cost analysis gives one compiled decode step."""
+  """{'flops', 'bytes'} XLA's cost analysis gives one compiled decode step.
+
+  XLA does not count what runs in a custom call, so the step is analysed with XLA's
+  matmuls (cpu_matmul 'xla'): the few-row kernel does the same arithmetic.
+  """
+  config = config.replace(cpu_matmul='xla')
   compiled = jax.jit(functools.partial(_one_step, config=config,
                                        cache_position=cache_position)).lower(
                                            params, cache, tokens).compile()
@@ -90,17 +110,17 @@ def interleaved_times(calls: Mapping[str, Callable[[], jax.Array]],
 
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
-  """One target's step costs in each layout."""
-  step_seconds: dict[str, dict[int, float]]  # layout -> k -> fastest seconds per step
-  ratio: dict[str, dict[int, float]]  # layout -> k -> V(k): median over repetitions
-  cost: dict[str, dict[int, dict[str, float]]]  # layout -> k -> {'flops', 'bytes'}
+  """One target's step costs in each variant."""
+  step_seconds: dict[str, dict[int, float]]  # variant -> k -> fastest seconds per step
+  ratio: dict[str, dict[int, float]]  # variant -> k -> V(k): median over repetitions
+  cost: dict[str, dict[int, dict[str, float]]]  # variant -> k -> {'flops', 'bytes'}
 
 
 def measure_step_costs(config: T5Config, positions: Sequence[int],
-                       layouts: Sequence[str] = (kernel_layout.T5X, kernel_layout.TRANSPOSED),
+                       variants: Sequence[str] = tuple(VARIANTS),
                        setup: StepCostSetup = StepCostSetup(), params=None,
                        seed: int = 0) -> StepCosts:
-  """V(k) for k in `positions` (1 is added), per layout, interleaved in one process.
+  """V(k) for k in `positions` (1 is added), per variant, interleaved in one process.
 
   params: the target's variables (random ones of `config` by default; the values do
   not change the cost of a step).
@@ -109,24 +129,24 @@ def measure_step_costs(config: T5Config, positions: Sequence[int],
     params = {'params': init_params(config, jax.random.PRNGKey(seed))['params']}
   positions = sorted(set(positions) | {1})
   calls, inputs = {}, {}
-  for layout in layouts:
-    layout_params = kernel_layout.to_layout(params, layout)
-    cache = _empty_cache(layout_params, config, setup)
+  for name in variants:
+    variant_params, variant_config = variant(params, config, name)
+    cache = _empty_cache(variant_params, variant_config, setup)
     for k in positions:
       tokens = jnp.ones((setup.batch_size, k), jnp.int32)
-      inputs[layout, k] = (layout_params, cache, tokens)
-      calls[layout, k] = functools.partial(
-          _decode_steps, layout_params, cache, tokens, config=config,
+      inputs[name, k] = (variant_params, cache, tokens, variant_config)
+      calls[name, k] = functools.partial(
+          _decode_steps, variant_params, cache, tokens, config=variant_config,
           num_steps=setup.steps_per_call, cache_position=setup.cache_position)
   times = interleaved_times(calls, setup.repeats)
   step_seconds, ratio, cost = {}, {}, {}
-  for layout in layouts:
-    one = times[layout, 1]
-    step_seconds[layout] = {k: float(times[layout, k].min()) / setup.steps_per_call
-                            for k in positions}
-    ratio[layout] = {k: float(np.median(times[layout, k] / one)) for k in positions}
-    cost[layout] = {k: step_cost_analysis(*inputs[layout, k], config, setup.cache_position)
-                    for k in positions}
+  for name in variants:
+    one = times[name, 1]
+    step_seconds[name] = {k: float(times[name, k].min()) / setup.steps_per_call
+                          for k in positions}
+    ratio[name] = {k: float(np.median(times[name, k] / one)) for k in positions}
+    cost[name] = {k: step_cost_analysis(*inputs[name, k], setup.cache_position)
+                  for k in positions}
   return StepCosts(step_seconds=step_seconds, ratio=ratio, cost=cost)
 
 

@@ -1,15 +1,16 @@
-"""Step-cost harness: V(k) of target decode steps per kernel layout, draft proposal costs.
+"""Step-cost harness: V(k) of target decode steps per matmul variant, draft proposal costs.
 
-  python scripts/step_costs.py                     # shipped target, 45M, 150M; both layouts
+  python scripts/step_costs.py                     # shipped target, 45M, 150M; all variants
   python scripts/step_costs.py --targets=local_target,t5_1_1_base --positions=1,2,4,8
 
 For every target (a jaxspec config name; random weights, since values do not change
-a step's cost) and kernel layout ('t5x' kernel [in, out], 'transposed' kernel_t
-[out, in]), the time of one cached decode step over k = 1..9 positions, all (layout, k)
-timed in turn within each repetition; V(k) is the median over repetitions of
-step(k) / step(1). Also XLA's FLOPs and bytes of each compiled step and the fraction of
+a step's cost) and variant of the decode matmuls ('t5x': kernel [in, out] through XLA;
+'transposed': kernel_t [out, in] through XLA; 'kernel': kernel_t through jaxspec's
+few-row CPU kernel, jaxspec.model.cpu_matmul), the time of one cached decode step over
+k = 1..9 positions, all (variant, k) timed in turn within each repetition; V(k) is the
+median over repetitions of step(k) / step(1). Also XLA's FLOPs and bytes of each compiled step and the fraction of
 this machine's measured memory bandwidth and matmul throughput the step reaches, and
-each draft's proposal of gamma tokens (in each layout) against the target's one-position
+each draft's proposal of gamma tokens (in each variant) against the target's one-position
 step: c of Theorem 3.8. Writes <out>/step_costs.json, step_costs.md and v_of_k.png.
 """
 
@@ -29,10 +30,10 @@ import jax.numpy as jnp
 from jaxspec import benchmark, step_costs
 from jaxspec.config import get_config
 from jaxspec.decoding.t5_drafter import T5Drafter
-from jaxspec.model import init_params, kernel_layout
+from jaxspec.model import init_params
 from jaxspec.sampling import SamplingConfig
 
-LAYOUTS = (kernel_layout.T5X, kernel_layout.TRANSPOSED)
+VARIANTS = tuple(step_costs.VARIANTS)
 
 
 def _parse_args(argv):
@@ -51,12 +52,12 @@ def _names(text: str) -> list[str]:
   return [name for name in text.split(',') if name]
 
 
-def proposal_seconds(draft_name: str, layout: str, gamma: int,
+def proposal_seconds(draft_name: str, variant: str, gamma: int,
                      setup: step_costs.StepCostSetup) -> float:
   """Seconds of one gamma-token proposal of a random draft of that config, greedy."""
   config = get_config(draft_name)
-  params = kernel_layout.to_layout(
-      {'params': init_params(config, jax.random.PRNGKey(1))['params']}, layout)
+  params, config = step_costs.variant(
+      {'params': init_params(config, jax.random.PRNGKey(1))['params']}, config, variant)
   encoder_tokens = jnp.ones((setup.batch_size, setup.source_length), jnp.int32)
   return benchmark.propose_seconds(T5Drafter(config), params, encoder_tokens, gamma,
                                    setup.cache_length, SamplingConfig(temperature=0.0),
@@ -74,25 +75,26 @@ def measure(args) -> dict:
   roofline = step_costs.machine_roofline()
   targets = {}
   for name in _names(args.targets):
-    costs = step_costs.measure_step_costs(get_config(name), positions, LAYOUTS, setup)
+    costs = step_costs.measure_step_costs(get_config(name), positions, VARIANTS, setup)
     rows = {}
-    for layout in LAYOUTS:
-      rows[layout] = {}
-      for k, seconds in costs.step_seconds[layout].items():
-        flops, bytes_ = costs.cost[layout][k]['flops'], costs.cost[layout][k]['bytes']
-        rows[layout][k] = {
-            'step_ms': 1e3 * seconds, 'V': costs.ratio[layout][k], 'flops': flops,
+    for variant in VARIANTS:
+      rows[variant] = {}
+      for k, seconds in costs.step_seconds[variant].items():
+        flops, bytes_ = costs.cost[variant][k]['flops'], costs.cost[variant][k]['bytes']
+        rows[variant][k] = {
+            'step_ms': 1e3 * seconds, 'V': costs.ratio[variant][k], 'flops': flops,
             'bytes': bytes_,
             'memory_roofline_fraction': bytes_ / seconds / roofline['bytes_per_second'],
             'compute_roofline_fraction': flops / seconds / roofline['flops_per_second']}
-    targets[name] = {'parameters': _parameter_count(name), 'layouts': rows}
-    print(name, {layout: {k: round(r['V'], 2) for k, r in rows[layout].items()}
-                 for layout in LAYOUTS}, flush=True)
+    targets[name] = {'parameters': _parameter_count(name), 'variants': rows}
+    print(name, {variant: {k: round(r['V'], 2) for k, r in rows[variant].items()}
+                 for variant in VARIANTS}, flush=True)
   drafts = {}
   for name in _names(args.drafts):
     drafts[name] = {'parameters': _parameter_count(name),
-                    'proposal_ms': {layout: 1e3 * proposal_seconds(name, layout, args.gamma, setup)
-                                    for layout in LAYOUTS}}
+                    'proposal_ms': {variant: 1e3 * proposal_seconds(name, variant, args.gamma,
+                                                                    setup)
+                                    for variant in VARIANTS}}
   return {
       'date': datetime.date.today().isoformat(), 'cpu': benchmark.cpu_model(),
       'backend': jax.default_backend(), 'devices': len(jax.devices()),
@@ -107,28 +109,30 @@ def markdown(results: dict) -> str:
            'position, median over interleaved repetitions; roofline fractions of the '
            f"one-position step against {results['roofline']['bytes_per_second'] / 1e9:.1f} GB/s "
            f"and {results['roofline']['flops_per_second'] / 1e9:.0f} GFLOP/s measured here.", '']
-  positions = sorted(next(iter(results['targets'].values()))['layouts'][LAYOUTS[0]])
-  lines.append('| target | params | layout | 1-position step | memory roofline | '
+  positions = sorted(next(iter(results['targets'].values()))['variants'][VARIANTS[0]])
+  lines.append('| target | params | variant | 1-position step | vs t5x | memory roofline | '
                + ' | '.join(f'V({k})' for k in positions if k > 1) + ' |')
-  lines.append('|---' * (5 + len(positions) - 1) + '|')
+  lines.append('|---' * (6 + len(positions) - 1) + '|')
   for name, target in results['targets'].items():
-    for layout in LAYOUTS:
-      rows = target['layouts'][layout]
+    reference = target['variants'][VARIANTS[0]][positions[0]]['step_ms']
+    for variant in VARIANTS:
+      rows = target['variants'][variant]
       one = rows[positions[0]]
-      lines.append(f"| {name} | {target['parameters'] / 1e6:.1f}M | {layout} | "
-                   f"{one['step_ms']:.2f} ms | {one['memory_roofline_fraction']:.0%} | "
+      lines.append(f"| {name} | {target['parameters'] / 1e6:.1f}M | {variant} | "
+                   f"{one['step_ms']:.2f} ms | {one['step_ms'] / reference:.2f} | "
+                   f"{one['memory_roofline_fraction']:.0%} | "
                    + ' | '.join(f"{rows[k]['V']:.2f}" for k in positions if k > 1) + ' |')
   lines += ['', f'Draft proposals of gamma = {gamma} tokens, as c = proposal / (gamma x the '
-            "target's one-position step in the same layout):", '',
-            '| draft | params | layout | proposal | '
+            "target's one-position step in the same variant):", '',
+            '| draft | params | variant | proposal | '
             + ' | '.join(f'c vs {name}' for name in results['targets']) + ' |',
             '|---' * (4 + len(results['targets'])) + '|']
   for name, draft in results['drafts'].items():
-    for layout in LAYOUTS:
-      proposal = draft['proposal_ms'][layout]
-      cs = [proposal / gamma / target['layouts'][layout][positions[0]]['step_ms']
+    for variant in VARIANTS:
+      proposal = draft['proposal_ms'][variant]
+      cs = [proposal / gamma / target['variants'][variant][positions[0]]['step_ms']
             for target in results['targets'].values()]
-      lines.append(f"| {name} | {draft['parameters'] / 1e6:.2f}M | {layout} | "
+      lines.append(f"| {name} | {draft['parameters'] / 1e6:.2f}M | {variant} | "
                    f"{proposal:.2f} ms | " + ' | '.join(f'{c:.3f}' for c in cs) + ' |')
   return '\n'.join(lines) + '\n'
 
@@ -139,10 +143,10 @@ def plot(results: dict, path: str) -> None:
   import matplotlib.pyplot as plt
   figure, axis = plt.subplots(figsize=(6, 4))
   for name, target in results['targets'].items():
-    for layout, style in zip(LAYOUTS, ('--', '-')):
-      rows = target['layouts'][layout]
+    for variant, style in zip(VARIANTS, (':', '--', '-')):
+      rows = target['variants'][variant]
       ks = sorted(rows)
-      axis.plot(ks, [rows[k]['V'] for k in ks], style, marker='o', label=f'{name} {layout}')
+      axis.plot(ks, [rows[k]['V'] for k in ks], style, marker='o', label=f'{name} {variant}')
   axis.axhline(1.0, color='gray', linewidth=0.5)
   axis.set_xlabel('positions per decode step (gamma + 1)')
   axis.set_ylabel('V(k) = step(k) / step(1)')

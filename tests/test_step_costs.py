@@ -31,11 +31,11 @@ def _matmul_flops(config, k):
   return 2 * k * (config.num_decoder_layers * per_layer + e * v)
 
 
-@pytest.mark.parametrize('layout', [kernel_layout.T5X, kernel_layout.TRANSPOSED])
-def test_cost_analysis_counts_the_decoder_matmuls(layout):
-  config = get_config('test_tiny_1_1')
-  params = kernel_layout.to_layout(
-      {'params': init_params(config, jax.random.PRNGKey(0))['params']}, layout)
+@pytest.mark.parametrize('variant', list(step_costs.VARIANTS))
+def test_cost_analysis_counts_the_decoder_matmuls(variant):
+  params, config = step_costs.variant(
+      {'params': init_params(get_config('test_tiny_1_1'), jax.random.PRNGKey(0))['params']},
+      get_config('test_tiny_1_1'), variant)
   cache = step_costs._empty_cache(params, config, SETUP)
   for k in (1, 4):
     cost = step_costs.step_cost_analysis(params, cache, jnp.ones((1, k), jnp.int32), config,
@@ -45,13 +45,23 @@ def test_cost_analysis_counts_the_decoder_matmuls(layout):
     assert cost['bytes'] > 4 * _matmul_flops(config, 1) / 2  # Every weight is read.
 
 
-def test_measure_step_costs_reports_every_layout_and_position():
+def test_variants_name_a_layout_and_a_cpu_matmul():
+  params = {'params': init_params(get_config('test_tiny_1_1'), jax.random.PRNGKey(0))['params']}
+  for name, (layout, cpu_matmul) in step_costs.VARIANTS.items():
+    variant_params, config = step_costs.variant(params, get_config('test_tiny_1_1'), name)
+    assert config.cpu_matmul == cpu_matmul
+    assert kernel_layout.has_transposed_kernels(variant_params) == (
+        layout == kernel_layout.TRANSPOSED)
+  assert set(step_costs.VARIANTS) == {'t5x', 'transposed', 'kernel'}
+
+
+def test_measure_step_costs_reports_every_variant_and_position():
   costs = step_costs.measure_step_costs(get_config('test_tiny_1_1'), [3, 2], setup=SETUP)
-  assert set(costs.ratio) == {kernel_layout.T5X, kernel_layout.TRANSPOSED}
-  for layout in costs.ratio:
-    assert sorted(costs.ratio[layout]) == [1, 2, 3]
-    assert costs.ratio[layout][1] == 1.0
-    assert all(seconds > 0 for seconds in costs.step_seconds[layout].values())
+  assert set(costs.ratio) == set(step_costs.VARIANTS)
+  for variant in costs.ratio:
+    assert sorted(costs.ratio[variant]) == [1, 2, 3]
+    assert costs.ratio[variant][1] == 1.0
+    assert all(seconds > 0 for seconds in costs.step_seconds[variant].values())
 
 
 def test_script_writes_json_markdown_and_plot(tmp_path):
@@ -61,9 +71,10 @@ def test_script_writes_json_markdown_and_plot(tmp_path):
                           f'--out={out}'])
   results = json.loads((out / 'step_costs.json').read_text())
   target = results['targets']['test_tiny_1_1']
-  assert set(target['layouts']) == {'t5x', 'transposed'}
-  assert set(target['layouts']['t5x']) == {'1', '2'}
-  assert set(results['drafts']['test_tiny_1_0']['proposal_ms']) == {'t5x', 'transposed'}
+  assert set(target['variants']) == {'t5x', 'transposed', 'kernel'}
+  assert set(target['variants']['kernel']) == {'1', '2'}
+  assert set(results['drafts']['test_tiny_1_0']['proposal_ms']) == {'t5x', 'transposed',
+                                                                     'kernel'}
   table = (out / 'step_costs.md').read_text()
   assert '| test_tiny_1_1 |' in table and '| test_tiny_1_0 |' in table
   assert (out / 'v_of_k.png').read_bytes()[:4] == b'\x89PNG'
