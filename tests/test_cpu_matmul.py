@@ -29,7 +29,7 @@ def _operands(rows, inputs, outputs, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize('rows,inputs,outputs', [
-    (1, 64, 40),  # one row, one thread (fewer than 256 outputs)
+    (1, 64, 40),  # one row, one thread (fewer than 2 x 64 outputs)
     (3, 77, 515),  # a tail of inputs past the last 8-lane block; outputs split in parts
     (16, 512, 1030),  # the most rows; outputs not a multiple of the 8- and 4-row blocks
 ])

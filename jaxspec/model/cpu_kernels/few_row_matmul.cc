@@ -38,7 +38,7 @@ inline float HorizontalSum(Vec v) {
   return _mm_cvtss_f32(q);
 }
 constexpr int64_t kMaxRows = 16;  // jaxspec.model.cpu_matmul.MAX_ROWS
-constexpr int64_t kOutputsPerTask = 256;  // below this many outputs a product is not split
+constexpr int64_t kOutputsPerTask = 64;  // outputs per thread at least (fewer: fewer threads)
 constexpr int64_t kFloatsPerLine = 16;  // 64-byte cache lines
 
 // Accumulates w rows o..o+R-1 against x rows n..n+C-1 over i in [0, in8) into
