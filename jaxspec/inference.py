@@ -27,10 +27,11 @@ from jaxspec.model import kernel_layout
 def load_model_params(checkpoint: str, config: T5Config, *, for_decoding: bool = False):
   """Variables {'params': ...} from a T5X checkpoint, in config.param_dtype, on device.
 
-  for_decoding: kernels in the layout in which a TARGET decodes fastest on this
-  platform (jaxspec.model.kernel_layout: transposed on CPU, where a verify step over a
-  few positions then costs much less). Drafts keep T5X's layout: their steps are
-  single-position and measured no faster transposed (scripts/step_costs.py).
+  for_decoding: kernels in the layout in which the model decodes fastest on this
+  platform (jaxspec.model.kernel_layout: transposed on CPU, where steps over a few
+  positions run through jaxspec's few-row kernel, jaxspec.model.cpu_matmul; a target's
+  verify step then costs about one step, and a draft's proposal less than in T5X's
+  layout, scripts/step_costs.py).
   """
   params = t5x_checkpoints.load_t5x_checkpoint(checkpoint, config, dtype=config.param_dtype)
   if for_decoding:

@@ -205,6 +205,7 @@ def load(name: str, draft: str | None = None, *, dtype: str = 'float32',
       name=name, task=spec.task, target_config=target_config, draft_config=draft_config,
       target_params=inference.load_model_params(str(root / 'target'), target_config,
                                                 for_decoding=True),
-      draft_params=inference.load_model_params(str(root / f'draft_{draft}'), draft_config),
+      draft_params=inference.load_model_params(str(root / f'draft_{draft}'), draft_config,
+                                               for_decoding=True),
       vocabulary=corpora.Vocabulary(), input_length=spec.input_length,
       max_decode_length=spec.max_decode_length, gamma=spec.gamma)

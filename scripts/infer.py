@@ -57,7 +57,7 @@ from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter,
 from jaxspec.decoding.speculative import (SpeculativeConfig, check_compatible,
                                           speculative_generate)
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
-from jaxspec.model import abstract_params
+from jaxspec.model import abstract_params, kernel_layout
 from jaxspec.sampling import SamplingConfig
 
 DEFAULT_GIN_FILE = 'configs/infer/ende45m_local.gin'  # The pair on which speculation pays.
@@ -84,12 +84,12 @@ def drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length, part
       raise ValueError('a T5 drafter needs infer.draft_checkpoint')
     if partitioner:
       return partitioner.load_params(draft_checkpoint, drafter.config, draft=True)
-    return inference.load_model_params(draft_checkpoint, drafter.config)
+    return inference.load_model_params(draft_checkpoint, drafter.config, for_decoding=True)
   if isinstance(drafter, SharedEncoderDrafter):  # A draft decoder over the target's encoding.
     if not draft_checkpoint:
       raise ValueError('a shared-encoder drafter needs infer.draft_checkpoint')
-    return {'params': jax.device_put(shared_encoder_checkpoints.load(
-        draft_checkpoint, drafter.config, drafter.encoder_dim, dtype=drafter.config.param_dtype))}
+    return {'params': jax.device_put(kernel_layout.for_decoding(shared_encoder_checkpoints.load(
+        draft_checkpoint, drafter.config, drafter.encoder_dim, dtype=drafter.config.param_dtype)))}
   if isinstance(drafter, (UnigramDrafter, BigramDrafter)):
     if corpus is None:
       raise ValueError('n-gram drafters are fitted on a shipped corpus (infer.corpus); '
