@@ -96,8 +96,8 @@ def _forward_and_steps(params, encoder_tokens, decoder_tokens, *, name, num_step
   return encoded, full, jnp.concatenate(stepped, axis=1)
 
 
-@pytest.mark.parametrize('name', CONFIGS)
-@pytest.mark.parametrize('num_steps', [1, 4])
+# Each variant once, one with single-position steps and one with steps of several.
+@pytest.mark.parametrize('name, num_steps', [('test_tiny_1_1', 4), ('test_tiny_1_0', 1)])
 def test_model_computes_the_same_from_either_layout(name, num_steps):
   variables = {'params': _variables(name)['params']}
   transposed = kernel_layout.transposed_kernels(variables)
