@@ -13,7 +13,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, 'tests', '_multihost_worker.py')
-XLA_FLAGS = ('--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true')
+XLA_FLAGS = ('--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true '
+             '--xla_cpu_use_fusion_emitters=false')
 
 
 def _env(devices: int) -> dict:
