@@ -15,6 +15,11 @@ import jax.numpy as jnp
 PAD_ID = 0  # Padding, and the decoder start token.
 EOS_ID = 1
 UNK_ID = 2
+# T5Config.cpu_matmul: jaxspec's few-row CPU kernel where it applies, or XLA's einsum
+# everywhere (jaxspec.model.cpu_matmul).
+CPU_MATMUL_KERNEL = 'kernel'
+CPU_MATMUL_XLA = 'xla'
+CPU_MATMULS = (CPU_MATMUL_KERNEL, CPU_MATMUL_XLA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +45,7 @@ class T5Config:
   param_dtype: str = 'float32'
   # Products of a few positions with transposed kernels or the embedding on CPU:
   # 'kernel' (jaxspec.model.cpu_matmul's few-row kernel, where it applies) or 'xla'.
-  cpu_matmul: str = 'kernel'
+  cpu_matmul: str = CPU_MATMUL_KERNEL
 
   def __post_init__(self):
     if self.mlp_activations not in (('gelu', 'linear'), ('relu',)):
@@ -53,8 +58,7 @@ class T5Config:
         raise ValueError(f'{name} must be >= 1, got {getattr(self, name)}')
     jnp.dtype(self.dtype)
     jnp.dtype(self.param_dtype)
-    if self.cpu_matmul not in ('kernel', 'xla'):
-      raise ValueError(f"cpu_matmul must be 'kernel' or 'xla', got {self.cpu_matmul!r}")
+    check_cpu_matmul(self.cpu_matmul)
 
   @property
   def compute_dtype(self):
@@ -62,6 +66,11 @@ class T5Config:
 
   def replace(self, **changes) -> 'T5Config':
     return dataclasses.replace(self, **changes)
+
+
+def check_cpu_matmul(cpu_matmul: str) -> None:
+  if cpu_matmul not in CPU_MATMULS:
+    raise ValueError(f'cpu_matmul must be one of {CPU_MATMULS}, got {cpu_matmul!r}')
 
 
 def _t5_1_1(emb_dim, num_heads, num_layers, mlp_dim) -> T5Config:

@@ -44,11 +44,12 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
-KERNEL = 'kernel'  # T5Config.cpu_matmul: the few-row kernel where it applies
-XLA = 'xla'  # T5Config.cpu_matmul: XLA's einsum everywhere
-CPU_MATMULS = (KERNEL, XLA)
+from jaxspec.config import CPU_MATMUL_KERNEL as KERNEL
+from jaxspec.config import CPU_MATMUL_XLA as XLA
+from jaxspec.config import check_cpu_matmul
 MAX_ROWS = 16  # The kernel's limit on rows per product (kMaxRows in the source).
 TARGET_NAME = 'jaxspec_few_row_matmul'
 SOURCE = pathlib.Path(__file__).parent / 'cpu_kernels' / 'few_row_matmul.cc'
@@ -96,7 +97,6 @@ def cache_dir() -> pathlib.Path:
 
 def library_path(compiler: str) -> pathlib.Path:
   """The built library's path, keyed by source, compiler, flags and jaxlib version."""
-  import jaxlib  # pylint: disable=g-import-not-at-top
   key = hashlib.sha256()
   for part in (SOURCE.read_bytes(), compiler.encode(), ' '.join(COMPILE_FLAGS).encode(),
                jaxlib.__version__.encode()):
@@ -174,8 +174,7 @@ def _few_row_matmul_jvp(primals, tangents):
 
 def use_kernel(cpu_matmul: str) -> bool:
   """Whether products of a few rows go through the kernel under this setting."""
-  if cpu_matmul not in CPU_MATMULS:
-    raise ValueError(f'cpu_matmul must be one of {CPU_MATMULS}, got {cpu_matmul!r}')
+  check_cpu_matmul(cpu_matmul)
   return cpu_matmul == KERNEL and jax.default_backend() == 'cpu' and kernel_available()
 
 

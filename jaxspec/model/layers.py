@@ -42,10 +42,6 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(self.config.compute_dtype)
 
 
-# Inputs with at most this many positions per row are contracted as kernel_t @ x^T.
-FEW_POSITIONS = cpu_matmul.MAX_ROWS
-
-
 class Dense(nn.Module):
   """A bias-free projection with a 2-D kernel.
 
