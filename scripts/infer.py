@@ -51,13 +51,14 @@ from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazil
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.beam_search import BeamConfig, generate_beam
 from jaxspec.checkpoints import shared_encoder_draft as shared_encoder_checkpoints
-from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter,
+from jaxspec.decoding.drafters import (BigramDrafter, Int8Drafter, PromptLookupDrafter,
                                        SharedEncoderDrafter, T5Drafter, UnigramDrafter,
                                        fit_bigram, fit_unigram)
 from jaxspec.decoding.speculative import (SpeculativeConfig, check_compatible,
                                           speculative_generate)
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
 from jaxspec.model import abstract_params, kernel_layout
+from jaxspec.model.quantization import int8_decoder
 from jaxspec.sampling import SamplingConfig
 
 DEFAULT_GIN_FILE = 'configs/infer/ende45m_local.gin'  # The pair on which speculation pays.
@@ -67,15 +68,26 @@ DECODERS = SAMPLING_DECODERS + BEAM_DECODERS
 DRAFTING_DECODERS = ('speculative', 'speculative_beam')  # Those that load the drafter.
 
 for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter,
-                 SharedEncoderDrafter):
+                 SharedEncoderDrafter, Int8Drafter):
   gin.external_configurable(_drafter, module='jaxspec')
 
 
-def drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length, partitioner=None):
-  """The params pytree of `drafter`: a checkpoint, or n-gram tables fitted on train.
+def drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length, partitioner=None,
+                   target_params=None):
+  """The params pytree of `drafter`: a checkpoint, n-gram tables fitted on train, or
+  (an int8 draft) the target's params quantized.
 
   With a partitioner, a checkpoint is read straight into the draft's shardings and
   fitted tables are placed replicated on its mesh."""
+  if isinstance(drafter, Int8Drafter):  # Made from the target: no checkpoint of its own.
+    if draft_checkpoint:
+      raise ValueError('an int8 draft is made from the target checkpoint; unset '
+                       f'infer.draft_checkpoint ({draft_checkpoint!r})')
+    if target_params is None:
+      raise ValueError("an int8 draft needs the target's params")
+    if partitioner:
+      return partitioner.place_replicated(int8_decoder(jax.device_get(target_params)))
+    return drafter.draft_params(target_params)
   if partitioner and not isinstance(drafter, T5Drafter):
     return partitioner.place_replicated(
         drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length))
@@ -610,7 +622,7 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
                    else inference.load_model_params(target_checkpoint, target_model,
                                                    for_decoding=True))
   params = (drafter_params(drafter, draft_checkpoint, task.corpus, vocab, max_decode_length,
-                           partitioner) if set(decoders) & set(DRAFTING_DECODERS) else None)
+                           partitioner, target_params) if set(decoders) & set(DRAFTING_DECODERS) else None)
   rng = jax.random.PRNGKey(seed)
 
   def row_keys(indices):  # A row's samples depend on its example, not its batch.

@@ -126,3 +126,65 @@ def test_no_compiler_or_a_failed_build_falls_back_with_one_warning(monkeypatch, 
   x, w_t = (jnp.asarray(a) for a in _operands(2, 16, 24))
   np.testing.assert_allclose(np.asarray(cpu_matmul.matmul_transposed(x[None], w_t))[0],
                              np.asarray(x) @ np.asarray(w_t).T, rtol=1e-5, atol=1e-5)
+
+
+# The int8 handler (int8 drafts): weights int8 [out, in] with a scale per output, each
+# row of x quantized to int8 on the fly.
+
+def _int8_operands(rows, inputs, outputs, seed=3):
+  from jaxspec.model.quantization import quantize_rows
+  x, w_t = _operands(rows, inputs, outputs, seed)
+  w_q, scale = quantize_rows(w_t)
+  return x, w_q, scale
+
+
+def _int8_reference(x, w_q, scale):
+  """The handler's arithmetic in numpy: exact integer sums, then the two scales."""
+  peak = np.max(np.abs(x), axis=-1, keepdims=True)
+  x_scale = np.where(peak > 0, peak / np.float32(127), np.float32(1)).astype(np.float32)
+  xq = np.clip(np.rint(x / x_scale), -127, 127).astype(np.int64)
+  sums = (xq @ w_q.astype(np.int64).T).astype(np.float32)
+  return sums * scale * x_scale
+
+
+_int8_kernel = jax.jit(cpu_matmul.few_row_matmul_int8)
+
+
+@needs_kernel
+@pytest.mark.parametrize('rows,inputs,outputs', [
+    (1, 64, 40),  # one row, one thread
+    (2, 77, 515),  # a tail past the last 32-byte block; outputs split in parts
+    (11, 512, 1030),  # rows in blocks of 4 and a remainder; an outputs remainder
+])
+def test_int8_kernel_equals_its_integer_reference_and_xla(rows, inputs, outputs):
+  x, w_q, scale = _int8_operands(rows, inputs, outputs)
+  got = np.asarray(_int8_kernel(jnp.asarray(x), jnp.asarray(w_q), jnp.asarray(scale)))
+  np.testing.assert_allclose(got, _int8_reference(x, w_q, scale), rtol=1e-6, atol=1e-6)
+  xla = np.asarray(cpu_matmul.xla_matmul_int8(jnp.asarray(x), jnp.asarray(w_q),
+                                              jnp.asarray(scale)))
+  np.testing.assert_allclose(got, xla, rtol=1e-5, atol=1e-5)
+  # And it approximates the float product (int8 weights and activations).
+  exact = x @ (w_q * scale[:, None]).T
+  assert np.max(np.abs(got - exact)) <= 0.05 * np.max(np.abs(exact))
+
+
+@needs_kernel
+def test_int8_rows_are_independent_and_xla_runs_where_the_kernel_cannot():
+  x, w_q, scale = (jnp.asarray(a) for a in _int8_operands(9, 100, 300, seed=4))
+  singles = np.stack([np.asarray(_int8_kernel(x[n:n + 1], w_q, scale))[0] for n in range(9)])
+  np.testing.assert_array_equal(np.asarray(_int8_kernel(x, w_q, scale)), singles)
+  zero = np.asarray(_int8_kernel(jnp.zeros((2, 100), jnp.float32), w_q, scale))
+  np.testing.assert_array_equal(zero, np.zeros((2, 300), np.float32))
+
+  def calls_kernel(x, setting):
+    jaxpr = jax.make_jaxpr(lambda x: cpu_matmul.matmul_int8(x, w_q, scale, setting))(x)
+    return cpu_matmul.INT8_TARGET_NAME in str(jaxpr)
+
+  assert calls_kernel(x[None], cpu_matmul.KERNEL)
+  assert not calls_kernel(x[None], cpu_matmul.XLA)
+  assert not calls_kernel(jnp.ones((2, 9, 100), jnp.float32), cpu_matmul.KERNEL)  # 18 rows
+  many = jnp.ones((2, 9, 100), jnp.float32)
+  np.testing.assert_allclose(np.asarray(cpu_matmul.matmul_int8(many, w_q, scale)),
+                             _int8_reference(np.ones((18, 100), np.float32), np.asarray(w_q),
+                                             np.asarray(scale)).reshape(2, 9, 300),
+                             rtol=1e-5, atol=1e-5)

@@ -139,8 +139,8 @@ def test_compacted_cache_equals_sequential_decode(branch, num_accepted):
     valid = int(cache.end_index[row])  # prefix, root, accepted, next token
     for tree_layer, layer in zip(tree_cache.layers, cache.layers):
       for name in ('self_keys', 'self_values'):
-        np.testing.assert_allclose(getattr(tree_layer, name)[row, :valid],
-                                   getattr(layer, name)[row, :valid], atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(getattr(tree_layer, name)[row, ..., :valid],
+                                   getattr(layer, name)[row, ..., :valid], atol=2e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------

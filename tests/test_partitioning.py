@@ -197,11 +197,11 @@ def test_draft_params_follow_their_own_rules(sharded_report):
   assert not described['decoder/logits_dense/kernel']['replicated']
 
 
-# Cache [b, length, heads, kv] shardings: the target's heads over 'model', rows over
+# Cache [b, heads, kv, length] shardings: the target's heads over 'model', rows over
 # 'data'; the draft by its own rules (replicated on 1x8 and 8x1, standard on 2x4).
 CACHE_SPECS = {
-    '1x8': {'target': "P(None, None, 'model')", 'draft': 'P()'},
-    '2x4': {'target': "P('data', None, 'model')", 'draft': "P('data', None, 'model')"},
+    '1x8': {'target': "P(None, 'model')", 'draft': 'P()'},
+    '2x4': {'target': "P('data', 'model')", 'draft': "P('data', 'model')"},
     '8x1': {'target': "P('data',)", 'draft': "P('data',)"},
 }
 

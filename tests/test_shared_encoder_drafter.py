@@ -111,8 +111,10 @@ def test_projection_feeds_the_cross_attention():
     key_kernel = np.asarray(tree['decoder'][f'layers_{i}']['encoder_decoder_attention']['key']
                             ['kernel'])  # [16, h*d]
     expected = (encoded @ projection @ key_kernel).reshape(encoded.shape[:2] + (2, 8))
-    np.testing.assert_allclose(layer_cache.cross_keys, expected, rtol=1e-4, atol=1e-5)
-    assert layer_cache.self_keys.shape == (8, 20, NARROW.num_heads, NARROW.head_dim)
+    # The cache layout [b, h, d, s].
+    np.testing.assert_allclose(layer_cache.cross_keys, expected.transpose(0, 2, 3, 1),
+                               rtol=1e-4, atol=1e-5)
+    assert layer_cache.self_keys.shape == (8, NARROW.num_heads, NARROW.head_dim, 20)
   np.testing.assert_array_equal(cache.encoder_mask, tokens > 0)
   np.testing.assert_array_equal(cache.end_index, 0)
   np.testing.assert_array_equal(rollback(cache, jnp.full((8,), 3)).end_index, 3)

@@ -230,8 +230,8 @@ def test_greedy_near_copy_draft_full_accepts_then_continues():
 
 def _poison(cache, slots, value):
   """Sets self-attention keys and values at slots [b, L] (bool) of every layer to value."""
-  def fill(x):  # [b, L, h, d]
-    return jnp.where(slots[:, :, None, None], jnp.asarray(value, x.dtype), x)
+  def fill(x):  # [b, h, d, L]
+    return jnp.where(slots[:, None, None, :], jnp.asarray(value, x.dtype), x)
   return cache.replace(layers=tuple(
       layer.replace(self_keys=fill(layer.self_keys), self_values=fill(layer.self_values))
       for layer in cache.layers))

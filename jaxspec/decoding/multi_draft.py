@@ -258,8 +258,8 @@ def compact_branch(cache: DecoderCache, root_slot, branch, gamma: int) -> Decode
   target = root_slot[:, None] + 1 + depths  # [b, g]
   source = jnp.clip(source, 0, cache.max_length - 1)
 
-  def move(buffer):  # [b, L, h, d]
-    return buffer.at[rows, target].set(buffer[rows, source], mode='drop')
+  def move(buffer):  # [b, h, d, L]; buffer[rows, :, :, slots] is [b, g, h, d]
+    return buffer.at[rows, :, :, target].set(buffer[rows, :, :, source], mode='drop')
 
   return cache.replace(layers=tuple(
       layer.replace(self_keys=move(layer.self_keys), self_values=move(layer.self_values))

@@ -7,6 +7,11 @@ t attends only to keys at positions <= t, and positions end_index..t are rewritt
 by the same decode call before they are read).
 
 Cross-attention keys/values are computed once per encoding and never change.
+
+Keys and values are stored [batch, heads, head_dim, length]: the layout XLA:CPU's
+attention dots read (contracting head_dim for the logits, length for the output), so
+a decode step reads the buffers in place; stored [batch, length, heads, head_dim], every
+step copied every layer's four buffers into that layout first (docs/design.md).
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class LayerCache:
-  self_keys: jax.Array  # [batch, max_length, heads, head_dim]
-  self_values: jax.Array  # [batch, max_length, heads, head_dim]
-  cross_keys: jax.Array  # [batch, encoder_length, heads, head_dim]
-  cross_values: jax.Array  # [batch, encoder_length, heads, head_dim]
+  self_keys: jax.Array  # [batch, heads, head_dim, max_length]
+  self_values: jax.Array  # [batch, heads, head_dim, max_length]
+  cross_keys: jax.Array  # [batch, heads, head_dim, encoder_length]
+  cross_values: jax.Array  # [batch, heads, head_dim, encoder_length]
 
 
 @flax.struct.dataclass
@@ -32,7 +37,7 @@ class DecoderCache:
 
   @property
   def max_length(self) -> int:
-    return self.layers[0].self_keys.shape[1]
+    return self.layers[0].self_keys.shape[3]
 
   @property
   def batch_size(self) -> int:

@@ -10,9 +10,13 @@ one-row product is faster than XLA's.
 
   few_row_matmul(x, w_t)             x [..., in] @ w_t [out, in]^T through the kernel
   matmul_transposed(x, w_t, kernel)  the kernel where it applies, else XLA's einsum
+  matmul_int8(x, w_q, scale, kernel) x @ (w_q * scale)^T for int8 w_q [out, in], x's rows
+                                     quantized to int8 on the fly (int8 drafts,
+                                     jaxspec.model.quantization): the kernel's int8
+                                     handler where it applies, else XLA
   kernel_available()                 builds (once) and registers the kernel; False if not
 
-Where it applies: float32 operands, at most MAX_ROWS rows (the product of x's leading
+Where it applies: float32 operands (int8 weights for matmul_int8), at most MAX_ROWS rows (the product of x's leading
 dims), JAX's default backend is the CPU, and `T5Config.cpu_matmul == 'kernel'`.
 Elsewhere (prefill, training, bfloat16, TPU/GPU) XLA's einsum runs as before.
 
@@ -52,9 +56,10 @@ from jaxspec.config import CPU_MATMUL_XLA as XLA
 from jaxspec.config import check_cpu_matmul
 MAX_ROWS = 16  # The kernel's limit on rows per product (kMaxRows in the source).
 TARGET_NAME = 'jaxspec_few_row_matmul'
+INT8_TARGET_NAME = 'jaxspec_few_row_matmul_int8'
 SOURCE = pathlib.Path(__file__).parent / 'cpu_kernels' / 'few_row_matmul.cc'
 COMPILE_FLAGS = ('-O3', '-mavx2', '-mfma', '-std=c++17', '-shared', '-fPIC', '-w')
-_SYMBOL = 'JaxspecFewRowMatmul'
+_SYMBOLS = {TARGET_NAME: 'JaxspecFewRowMatmul', INT8_TARGET_NAME: 'JaxspecFewRowMatmulInt8'}
 
 
 def xla_matmul_transposed(x, w_t):
@@ -131,8 +136,9 @@ def kernel_available() -> bool:
     if not path.exists():
       build(compiler, path)
     library = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(getattr(library, _SYMBOL)),
-                                platform='cpu')
+    for target, symbol in _SYMBOLS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                  platform='cpu')
   except (OSError, RuntimeError, AttributeError) as error:
     return _unavailable(f'building or loading it failed: {error}')
   return True
@@ -183,3 +189,48 @@ def matmul_transposed(x, w_t, cpu_matmul: str = KERNEL):
   if applies(x, w_t) and use_kernel(cpu_matmul):
     return few_row_matmul(x, w_t)
   return xla_matmul_transposed(x, w_t)
+
+
+def quantize_activations(x):
+  """x [..., in] float32 -> (xq [..., in] int8-valued float32, scale [..., 1]): each row
+  over its largest magnitude, scale = max |x| / 127 (1 for a zero row), xq = round(x / scale)."""
+  peak = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+  scale = jnp.where(peak > 0, peak / 127.0, 1.0)
+  return jnp.clip(jnp.round(x / scale), -127, 127), scale
+
+
+def xla_matmul_int8(x, w_q, scale):
+  """matmul_int8 through XLA: x's rows quantized to int8 (quantize_activations), their
+  products with the int8 w_q [out, in] summed in float32, times scale [out] and the row's
+  scale -> [..., out] float32."""
+  xq, x_scale = quantize_activations(x)
+  return xla_matmul_transposed(xq, w_q.astype(jnp.float32)) * scale * x_scale
+
+
+def applies_int8(x, w_q, scale) -> bool:
+  """Whether the kernel can compute (x @ w_q^T) * scale (shapes and dtypes)."""
+  rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+  return (x.dtype == jnp.float32 and w_q.dtype == jnp.int8 and w_q.ndim == 2
+          and scale.dtype == jnp.float32 and scale.shape == (w_q.shape[0],)
+          and x.ndim >= 1 and x.shape[-1] == w_q.shape[1] and 1 <= rows <= MAX_ROWS)
+
+
+def few_row_matmul_int8(x, w_q, scale):
+  """(x [..., in] @ w_q [out, in]^T) * scale [out] through the kernel (applies_int8)."""
+  return jax.ffi.ffi_call(INT8_TARGET_NAME,
+                          jax.ShapeDtypeStruct(x.shape[:-1] + (w_q.shape[0],), jnp.float32),
+                          vmap_method='sequential')(x, w_q, scale)
+
+
+def matmul_int8(x, w_q, scale, cpu_matmul: str = KERNEL):
+  """x [..., in] @ (w_q [out, in] * scale [out, None])^T with x's rows quantized to int8
+  on the fly (int8 weights and activations, per-row scales; quantize_activations):
+  the kernel's int8 handler where it applies, else XLA -> [..., out] float32.
+
+  The kernel sums the int8 products exactly in int32; XLA sums the same integers in
+  float32 (exact while partial sums stay below 2^24, i.e. in <= 1040), so the two
+  differ by float32 rounding at most."""
+  x = x.astype(jnp.float32)
+  if applies_int8(x, w_q, scale) and use_kernel(cpu_matmul):
+    return few_row_matmul_int8(x, w_q, scale)
+  return xla_matmul_int8(x, w_q, scale)

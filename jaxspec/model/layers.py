@@ -23,6 +23,11 @@ from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_
 NEG_INF = -1e10  # Additive mask value, as T5X.
 KERNEL = 'kernel'  # A Dense kernel in T5X's layout [in, out].
 KERNEL_T = 'kernel_t'  # The same kernel transposed, [out, in] (jaxspec.model.kernel_layout).
+# An int8 kernel [out, in] and its float32 scale per output (jaxspec.model.quantization).
+KERNEL_INT8 = 'kernel_int8'
+KERNEL_SCALE = 'kernel_scale'
+EMBEDDING_INT8 = 'embedding_int8'  # An int8 embedding table [vocab, embed] ...
+EMBEDDING_SCALE = 'embedding_scale'  # ... and its float32 scale per token [vocab].
 LAYER_NORM_EPSILON = 1e-6
 
 default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
@@ -49,8 +54,10 @@ class Dense(nn.Module):
   transposed as `kernel_t` [out_features, in_features] (the decode layout for XLA:CPU,
   made by jaxspec.model.kernel_layout); the module uses whichever the params hold.
   A transposed kernel applied to a few positions on CPU runs through jaxspec's few-row
-  kernel (jaxspec.model.cpu_matmul) unless config.cpu_matmul is 'xla'.
-  Initialization creates `kernel`.
+  kernel (jaxspec.model.cpu_matmul) unless config.cpu_matmul is 'xla'. Params made by
+  jaxspec.model.quantization hold `kernel_int8` [out, in] and `kernel_scale` [out]
+  instead: the product is then (x @ kernel_int8^T) * kernel_scale in float32 (int8
+  drafts). Initialization creates `kernel`.
   """
   features: int
   kernel_axes: tuple[str, str]
@@ -62,6 +69,11 @@ class Dense(nn.Module):
   def __call__(self, x):  # [..., in] -> [..., out]
     dtype = self.dtype or self.config.compute_dtype
     param_dtype = jnp.dtype(self.config.param_dtype)
+    if self.has_variable('params', KERNEL_INT8):
+      kernel_int8 = self.param(KERNEL_INT8, _existing, (self.features, x.shape[-1]),
+                               jnp.int8)
+      scale = self.param(KERNEL_SCALE, _existing, (self.features,), jnp.float32)
+      return cpu_matmul.matmul_int8(x, kernel_int8, scale, self.config.cpu_matmul).astype(dtype)
     if self.has_variable('params', KERNEL_T):
       kernel_t = param_with_axes(KERNEL_T, _transposed_init(self.kernel_init),
                                  (self.features, x.shape[-1]), param_dtype,
@@ -73,25 +85,53 @@ class Dense(nn.Module):
     return jnp.dot(x.astype(dtype), kernel.astype(dtype))
 
 
+def _existing(rng, shape, dtype):
+  """The init of int8 params, which are read only where the params hold them (Flax
+  evaluates it abstractly to check their shapes): they are made from float params by
+  jaxspec.model.quantization, never initialized."""
+  return jnp.zeros(shape, dtype)
+
+
 def _transposed_init(kernel_init):
   """An initializer of [out, in] with the statistics of kernel_init's [in, out]."""
   return lambda rng, shape, dtype: kernel_init(rng, shape[::-1], dtype).T
 
 
 class Embed(nn.Module):
-  """Token embedding table [vocab, embed]; `attend` gives tied logits."""
+  """Token embedding table [vocab, embed]; `attend` gives tied logits.
+
+  Params made by jaxspec.model.quantization hold `embedding_int8` [vocab, embed] and
+  `embedding_scale` [vocab] instead (int8 drafts): row v of the table is
+  embedding_int8[v] * embedding_scale[v].
+  """
   config: T5Config
 
   def setup(self):
+    shape = (self.config.vocab_size, self.config.emb_dim)
+    if self.has_variable('params', EMBEDDING_INT8):
+      self.embedding_int8 = self.param(EMBEDDING_INT8, _existing, shape, jnp.int8)
+      self.embedding_scale = self.param(EMBEDDING_SCALE, _existing, shape[:1],
+                                        jnp.float32)
+      return
     self.embedding = param_with_axes(
-        'embedding', nn.initializers.normal(stddev=1.0),
-        (self.config.vocab_size, self.config.emb_dim),
+        'embedding', nn.initializers.normal(stddev=1.0), shape,
         jnp.dtype(self.config.param_dtype), axes=('vocab', 'embed'))
 
+  @property
+  def is_int8(self) -> bool:
+    return self.has_variable('params', EMBEDDING_INT8)
+
   def __call__(self, tokens):  # [b, t] int -> [b, t, e]
+    if self.is_int8:
+      rows = jnp.take(self.embedding_int8, tokens, axis=0).astype(jnp.float32)
+      scale = jnp.take(self.embedding_scale, tokens, axis=0)[..., None]
+      return (rows * scale).astype(self.config.compute_dtype)
     return jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_dtype)
 
   def attend(self, x):  # [b, t, e] -> [b, t, v] float32
+    if self.is_int8:
+      return cpu_matmul.matmul_int8(x, self.embedding_int8, self.embedding_scale,
+                                    self.config.cpu_matmul)
     # The table is [v, e], the [out, in] layout: a few positions run through the few-row
     # kernel on CPU; otherwise XLA contracts into [b, v, t] and swaps, since XLA:CPU runs
     # x @ embedding.T several times slower once t >= 2 (a verify step).
@@ -157,6 +197,19 @@ def dot_product_attention(query, key, value, bias):
   return jnp.einsum('bhts,bshd->bthd', weights, value)
 
 
+def cached_dot_product_attention(query, key, value, bias):
+  """dot_product_attention over keys/values stored [b, h, d, s] (the cache layout)."""
+  logits = jnp.einsum('bthd,bhds->bhts', query, key,
+                      preferred_element_type=jnp.float32)  # [b, h, t, s]
+  weights = jax.nn.softmax(logits + bias, axis=-1).astype(value.dtype)
+  return jnp.einsum('bhts,bhds->bthd', weights, value)
+
+
+def to_cache_layout(x):
+  """Keys or values [b, s, h, d] -> [b, h, d, s], the cache layout."""
+  return jnp.transpose(x, (0, 2, 3, 1))
+
+
 class MultiHeadAttention(nn.Module):
   """T5X's attention parameters: query/key/value [e, h*d] and out [h*d, e]."""
   config: T5Config
@@ -189,6 +242,12 @@ class MultiHeadAttention(nn.Module):
   def project_key_value(self, x):
     """x [b, s, e] -> keys, values [b, s, h, d]."""
     return self._split_heads(self.key(x)), self._split_heads(self.value(x))
+
+  def attend_cached(self, query, keys, values, bias):
+    """query [b,t,h,d] against cached keys/values [b,h,d,s] (jaxspec.model.cache) -> [b, t, e]."""
+    out = cached_dot_product_attention(query, keys, values, bias)  # [b, t, h, d]
+    out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
+    return constrain(self.out(out), EMBED_AXES, self.role)
 
   def attend(self, query, keys, values, bias):
     """query [b,t,h,d] against keys/values [b,s,h,d] with bias -> [b, t, e]."""

@@ -36,7 +36,8 @@ TARGET = 'target'
 DRAFT = 'draft'
 # Logical names of the activations the model constrains (T5X's names).
 EMBED_AXES = ('batch', 'length', 'embed')  # [b, t, e] residual stream
-HEADS_AXES = ('batch', 'length', 'heads', 'kv')  # [b, t, h, d] q/k/v and cache buffers
+HEADS_AXES = ('batch', 'length', 'heads', 'kv')  # [b, t, h, d] q/k/v
+CACHE_AXES = ('batch', 'heads', 'kv', 'length')  # [b, h, d, L] cached keys/values
 JOINED_KV_AXES = ('batch', 'length', 'joined_kv')  # [b, t, h*d]
 MLP_AXES = ('batch', 'length', 'mlp')  # [b, t, f]
 VOCAB_AXES = ('batch', 'length', 'vocab')  # [b, t, v] logits

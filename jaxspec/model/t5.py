@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxspec.config import T5Config
 from jaxspec.model import layers
 from jaxspec.model.cache import DecoderCache, LayerCache
-from jaxspec.model.sharding import EMBED_AXES, HEADS_AXES, TARGET, VOCAB_AXES, constrain
+from jaxspec.model.sharding import CACHE_AXES, EMBED_AXES, TARGET, VOCAB_AXES, constrain
 
 
 @flax.struct.dataclass
@@ -108,23 +108,27 @@ class DecoderLayer(nn.Module):
     self.mlp = layers.MlpBlock(config, self.role)
 
   def cross_key_value(self, encoded):
-    """encoded [b, s, e] -> cross-attention keys, values [b, s, h, d]."""
-    return self.encoder_decoder_attention.project_key_value(encoded)
+    """encoded [b, s, e] -> cross-attention keys, values [b, h, d, s] (the cache layout)."""
+    keys, values = self.encoder_decoder_attention.project_key_value(encoded)
+    return (constrain(layers.to_cache_layout(keys), CACHE_AXES, self.role),
+            constrain(layers.to_cache_layout(values), CACHE_AXES, self.role))
 
   def __call__(self, x, layer_cache: LayerCache, write_positions, self_bias, cross_bias):
     """x [b, t, e]; write_positions [b, t]; biases [b, h|1, t, L] and [b, 1, t, s]."""
     y = self.pre_self_attention_layer_norm(x)
     new_keys, new_values = self.self_attention.project_key_value(y)  # [b, t, h, d]
     rows = jnp.arange(x.shape[0])[:, None]  # [b, 1]
-    # Out-of-range positions are dropped rather than clamped onto valid slots.
-    keys = constrain(layer_cache.self_keys.at[rows, write_positions].set(
-        new_keys.astype(layer_cache.self_keys.dtype), mode='drop'), HEADS_AXES, self.role)
-    values = constrain(layer_cache.self_values.at[rows, write_positions].set(
-        new_values.astype(layer_cache.self_values.dtype), mode='drop'), HEADS_AXES, self.role)
-    x = x + self.self_attention.attend(
+    # Buffers [b, h, d, L]: indexing rows and positions (separated by the h, d slices)
+    # addresses [b, t, h, d], the new keys' shape. Out-of-range positions are dropped
+    # rather than clamped onto valid slots.
+    keys = constrain(layer_cache.self_keys.at[rows, :, :, write_positions].set(
+        new_keys.astype(layer_cache.self_keys.dtype), mode='drop'), CACHE_AXES, self.role)
+    values = constrain(layer_cache.self_values.at[rows, :, :, write_positions].set(
+        new_values.astype(layer_cache.self_values.dtype), mode='drop'), CACHE_AXES, self.role)
+    x = x + self.self_attention.attend_cached(
         self.self_attention.project_query(y), keys, values, self_bias)
     y = self.pre_cross_attention_layer_norm(x)
-    x = x + self.encoder_decoder_attention.attend(
+    x = x + self.encoder_decoder_attention.attend_cached(
         self.encoder_decoder_attention.project_query(y), layer_cache.cross_keys,
         layer_cache.cross_values, cross_bias)
     y = self.pre_mlp_layer_norm(x)
@@ -151,9 +155,9 @@ class Decoder(nn.Module):
   def init_cache(self, encoded, encoder_tokens, max_length: int) -> DecoderCache:
     config = self.config
     batch = encoded.shape[0]
-    self_shape = (batch, max_length, config.num_heads, config.head_dim)
+    self_shape = (batch, config.num_heads, config.head_dim, max_length)  # [b, h, d, L]
     empty = lambda: constrain(jnp.zeros(self_shape, config.compute_dtype),  # noqa: E731
-                              HEADS_AXES, self.role)
+                              CACHE_AXES, self.role)
     layer_caches = []
     for layer in self.layers:
       cross_keys, cross_values = layer.cross_key_value(encoded)

@@ -1,6 +1,7 @@
-// jaxspec's CPU kernel for products of a few rows with a weight matrix, as an XLA FFI
-// handler: y[n, o] = sum_i x[n, i] * w[o, i] for x [rows, in] (rows <= kMaxRows) and
-// w [out, in], float32, row-major. A decode step multiplies 1..9 positions by each
+// jaxspec's CPU kernels for products of a few rows with a weight matrix, as XLA FFI
+// handlers: y[n, o] = sum_i x[n, i] * w[o, i] for x [rows, in] (rows <= kMaxRows) and
+// w [out, in], float32, row-major (JaxspecFewRowMatmul); and its int8 form for int8
+// drafts (JaxspecFewRowMatmulInt8, below). A decode step multiplies 1..9 positions by each
 // weight matrix; XLA:CPU runs 2..9 rows several times slower than one row (its
 // matrix-matrix path), while this kernel reads w once and keeps every row in registers,
 // so k rows cost little more than one (jaxspec.model.cpu_matmul; docs/design.md).
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -40,6 +42,7 @@ inline float HorizontalSum(Vec v) {
 constexpr int64_t kMaxRows = 16;  // jaxspec.model.cpu_matmul.MAX_ROWS
 constexpr int64_t kOutputsPerTask = 64;  // outputs per thread at least (fewer: fewer threads)
 constexpr int64_t kFloatsPerLine = 16;  // 64-byte cache lines
+constexpr int64_t kLineBytes = 64;
 
 // Accumulates w rows o..o+R-1 against x rows n..n+C-1 over i in [0, in8) into
 // acc[r * kMaxRows + n + c]: R x C accumulators in registers, each w vector loaded once
@@ -191,11 +194,199 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// ---- int8 weights and int8 activations (JaxspecFewRowMatmulInt8) ----
+// y[n, o] = float(sum_i xq[n, i] * w[o, i]) * scale[o] * xs[n] for int8 w [out, in] with
+// a float32 scale per output (jaxspec.model.quantization), where each row of x is
+// quantized on the fly: xs[n] = max_i |x[n, i]| / 127 (1 for a zero row) and
+// xq[n, i] = round-half-even(x[n, i] / xs[n]). The sums are exact int32 arithmetic, so a
+// row's result depends on that row alone: bit-identical whatever rows share the product.
+// AVX2: 32 products per maddubs (|xq| as u8 times w with xq's sign; |products| <= 2 * 127
+// * 127 never saturate int16), four times the weights per instruction of widening int8
+// to float32. On CPU the step of an int8 draft is then bound by memory, not arithmetic.
+
+constexpr int64_t kInt8Lanes = 32;
+constexpr float kInt8Max = 127.0f;
+
+// x's rows quantized to int8, zero-padded to a multiple of kInt8Lanes.
+struct QuantizedRows {
+  int64_t padded = 0;
+  std::vector<int8_t> value;  // [rows, padded]
+  std::vector<uint8_t> magnitude;  // |value|
+  float scale[kMaxRows] = {};
+};
+
+void QuantizeRows(const float* x, int64_t rows, int64_t in, QuantizedRows* q) {
+  q->padded = (in + kInt8Lanes - 1) / kInt8Lanes * kInt8Lanes;
+  q->value.assign(rows * q->padded, 0);
+  q->magnitude.assign(rows * q->padded, 0);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* xm = x + m * in;
+    float peak = 0.0f;
+    for (int64_t i = 0; i < in; ++i) peak = std::max(peak, std::fabs(xm[i]));
+    const float scale = peak > 0.0f ? peak / kInt8Max : 1.0f;
+    q->scale[m] = scale;
+    for (int64_t i = 0; i < in; ++i) {
+      const float v = std::min(kInt8Max, std::max(-kInt8Max, std::nearbyint(xm[i] / scale)));
+      q->value[m * q->padded + i] = static_cast<int8_t>(v);
+      q->magnitude[m * q->padded + i] = static_cast<uint8_t>(std::fabs(v));
+    }
+  }
+}
+
+inline int32_t HorizontalSumInt(__m256i v) {
+  __m128i q = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  q = _mm_add_epi32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(1, 0, 3, 2)));
+  q = _mm_add_epi32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(q);
+}
+
+// Integer sums of w rows o..o+R-1 against quantized rows n..n+C-1 into
+// sums[r * kMaxRows + n + c]; kPrefetch as in Block.
+template <int R, int C, bool kPrefetch>
+inline void Int8Block(const QuantizedRows& xq, const int8_t* w, int32_t* sums, int64_t in,
+                      int64_t o, int64_t n) {
+  const int64_t in32 = in - in % kInt8Lanes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i a[R][C];
+  const int8_t* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + (o + r) * in;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_si256();
+  for (int64_t i = 0; i < in32; i += kInt8Lanes) {
+    if (kPrefetch && i % kLineBytes == 0) {
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + R * in + i),
+                                               _MM_HINT_T1);
+    }
+    __m256i wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + i));
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (n + c) * xq.padded + i;
+      const __m256i mag = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.magnitude[at]));
+      const __m256i sgn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.value[at]));
+      for (int r = 0; r < R; ++r) {
+        const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(wv[r], sgn));
+        a[r][c] = _mm256_add_epi32(a[r][c], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      const int8_t* xv = &xq.value[(n + c) * xq.padded];
+      int32_t s = HorizontalSumInt(a[r][c]);
+      for (int64_t i = in32; i < in; ++i) s += static_cast<int32_t>(wr[r][i]) * xv[i];
+      sums[r * kMaxRows + n + c] = s;
+    }
+  }
+}
+
+template <int R, int C, bool kPrefetch>
+inline void Int8BlockOf(int count, const QuantizedRows& xq, const int8_t* w, int32_t* sums,
+                        int64_t in, int64_t o, int64_t n) {
+  if constexpr (C >= 4) {
+    if (count == 4) return Int8Block<R, 4, kPrefetch>(xq, w, sums, in, o, n);
+  }
+  if constexpr (C >= 3) {
+    if (count == 3) return Int8Block<R, 3, kPrefetch>(xq, w, sums, in, o, n);
+  }
+  if constexpr (C >= 2) {
+    if (count == 2) return Int8Block<R, 2, kPrefetch>(xq, w, sums, in, o, n);
+  }
+  Int8Block<R, 1, kPrefetch>(xq, w, sums, in, o, n);
+}
+
+template <int R, int C>
+int64_t Int8OutputBlocks(const QuantizedRows& xq, const int8_t* w, const float* scale,
+                         float* y, int64_t rows, int64_t in, int64_t out, int64_t o,
+                         int64_t end) {
+  int32_t sums[R * kMaxRows];
+  for (; o + R <= end; o += R) {
+    for (int64_t n = 0; n < rows;) {
+      const int count = static_cast<int>(std::min<int64_t>(C, rows - n));
+      if (n == 0) {
+        Int8BlockOf<R, C, true>(count, xq, w, sums, in, o, n);
+      } else {
+        Int8BlockOf<R, C, false>(count, xq, w, sums, in, o, n);
+      }
+      n += count;
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t m = 0; m < rows; ++m)
+        y[m * out + o + r] = static_cast<float>(sums[r * kMaxRows + m]) * scale[o + r] *
+                             xq.scale[m];
+  }
+  return o;
+}
+
+void Int8Outputs(const QuantizedRows& xq, const int8_t* w, const float* scale, float* y,
+                 int64_t rows, int64_t in, int64_t out, int64_t begin, int64_t end) {
+  int64_t o = begin;
+  if (rows == 1) {
+    o = Int8OutputBlocks<4, 1>(xq, w, scale, y, rows, in, out, o, end);
+  } else if (rows == 2) {
+    o = Int8OutputBlocks<4, 2>(xq, w, scale, y, rows, in, out, o, end);
+  } else {
+    o = Int8OutputBlocks<2, 4>(xq, w, scale, y, rows, in, out, o, end);
+  }
+  Int8OutputBlocks<1, 1>(xq, w, scale, y, rows, in, out, o, end);
+}
+
+ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  const auto w_dims = w.dimensions();
+  if (w_dims.size() != 2) return ffi::Error::InvalidArgument("w must be [out, in]");
+  const int64_t out = w_dims[0], in = w_dims[1];
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() < 1 || x_dims.back() != in)
+    return ffi::Error::InvalidArgument("x [..., in] does not match w [out, in]");
+  if (scale.element_count() != out)
+    return ffi::Error::InvalidArgument("scale must be [out] for w [out, in]");
+  const int64_t rows = in == 0 ? 0 : x.element_count() / in;
+  if (rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than 16 rows");
+  float* yp = y->typed_data();
+  if (in == 0) {
+    std::fill(yp, yp + rows * out, 0.0f);
+    return ffi::Error::Success();
+  }
+  auto xq = std::make_shared<QuantizedRows>();
+  QuantizeRows(x.typed_data(), rows, in, xq.get());
+  const int8_t* wp = w.typed_data();
+  const float* sp = scale.typed_data();
+  const int64_t num_parts =
+      std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / kOutputsPerTask));
+  if (num_parts == 1) {
+    Int8Outputs(*xq, wp, sp, yp, rows, in, out, 0, out);
+    return ffi::Error::Success();
+  }
+  auto parts = std::make_shared<Parts>();
+  auto run = [=]() {
+    const int64_t per_part = (out / num_parts + 7) / 8 * 8;
+    for (int64_t p; (p = parts->next.fetch_add(1)) < num_parts;) {
+      const int64_t begin = std::min(out, p * per_part);
+      const int64_t end = p + 1 == num_parts ? out : std::min(out, begin + per_part);
+      Int8Outputs(*xq, wp, sp, yp, rows, in, out, begin, end);
+      parts->finished.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < num_parts; ++t) pool.Schedule([run]() { run(); });
+  run();
+  while (parts->finished.load(std::memory_order_acquire) < num_parts) _mm_pause();
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmul, FewRowMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8, FewRowMatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,123 @@
+"""jaxspec.model.quantization and jaxspec.decoding.int8_drafter: the target's own decoder
+in int8 as a draft. Exact decoding with it rests on the verifier like every drafter;
+here: the quantization's arithmetic, the draft's params and cache, its agreement with
+the target, and greedy speculative decoding with it token for token the baseline's."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.config import get_config
+from jaxspec.decoding.baseline import generate
+from jaxspec.decoding.drafters import Int8Drafter
+from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
+from jaxspec.model import T5, init_params, kernel_layout
+from jaxspec.model.quantization import dequantize_rows, int8_decoder, quantize_rows
+from jaxspec.model.shared_encoder_draft import SharedEncoderDraft
+from jaxspec.sampling import SamplingConfig
+
+CONFIG = get_config('test_tiny_1_1')
+MAX_LEN = 12
+
+
+def test_quantize_rows_round_trips_within_half_a_step():
+  w = np.random.default_rng(0).standard_normal((6, 40)).astype(np.float32)
+  w[3] = 0.0  # a zero row
+  q, scale = quantize_rows(w)
+  assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (6,)
+  assert np.max(np.abs(q)) == 127 and np.all(np.abs(q) <= 127)
+  assert scale[3] == 1.0 and not q[3].any()
+  np.testing.assert_allclose(scale[:3], np.max(np.abs(w[:3]), axis=1) / 127, rtol=1e-6)
+  error = np.abs(dequantize_rows(q, scale) - w)
+  assert np.all(error <= scale[:, None] / 2 + 1e-7)
+
+
+def test_quantize_rows_rejects_what_it_cannot_quantize():
+  with pytest.raises(ValueError, match='2-D'):
+    quantize_rows(np.ones((2, 3, 4)))
+  with pytest.raises(ValueError, match='NaN or infinity'):
+    quantize_rows(np.array([[1.0, np.inf]]))
+  with pytest.raises(ValueError, match="'params'"):
+    int8_decoder({'decoder': {}})
+
+
+@functools.cache
+def _target():
+  params = init_params(CONFIG, jax.random.PRNGKey(3))
+  return kernel_layout.transposed_kernels({'params': params['params']})
+
+
+def _encoder_tokens():
+  tokens = np.random.default_rng(5).integers(2, CONFIG.vocab_size, (3, 9)).astype(np.int32)
+  tokens[1, 5:] = 0
+  tokens[2, 2:] = 0
+  return tokens
+
+
+def test_int8_decoder_quantizes_every_per_step_matrix_and_keeps_the_rest():
+  draft = int8_decoder(_target())['params']
+  assert 'encoder' not in draft
+  assert draft['token_embedder']['embedding_int8'].dtype == np.int8
+  layer = draft['decoder']['layers_0']
+  for path in (('self_attention', 'query'), ('self_attention', 'out'),
+               ('encoder_decoder_attention', 'query'), ('mlp', 'wi_0'), ('mlp', 'wo')):
+    leaf = layer[path[0]][path[1]]
+    assert set(leaf) == {'kernel_int8', 'kernel_scale'}, path
+  # The encoding's projections stay float32: the draft's cross-attention cache is the target's.
+  cross = layer['encoder_decoder_attention']['key']
+  np.testing.assert_array_equal(
+      cross['kernel_t'],
+      np.asarray(_target()['params']['decoder']['layers_0']['encoder_decoder_attention']
+                 ['key']['kernel_t']))
+  # T5X's layout is accepted too.
+  t5x = int8_decoder(kernel_layout.t5x_kernels(_target()))['params']
+  np.testing.assert_array_equal(t5x['decoder']['layers_0']['mlp']['wo']['kernel_int8'],
+                                layer['mlp']['wo']['kernel_int8'])
+
+
+def test_the_int8_draft_tracks_the_target_decoder():
+  drafter = Int8Drafter(CONFIG)
+  assert drafter.encoder_dim == CONFIG.emb_dim
+  with pytest.raises(ValueError, match='encoder_dim must equal'):
+    Int8Drafter(CONFIG, encoder_dim=CONFIG.emb_dim + 1)
+  target, tokens = _target(), jnp.asarray(_encoder_tokens())
+  model = T5(CONFIG)
+  encoded = model.apply(target, tokens, method=T5.encode)
+  target_cache = model.apply(target, encoded, tokens, 6, method=T5.init_cache)
+  params = drafter.draft_params(target)
+  draft_cache = drafter.init_state_from_target(params, tokens, encoded, 6)
+  for mine, theirs in zip(draft_cache.layers, target_cache.layers):
+    np.testing.assert_array_equal(mine.cross_keys, theirs.cross_keys)
+  decoder_tokens = jnp.asarray([[0, 7, 9, 11]] * 3, jnp.int32)
+  target_logits, _ = model.apply(target, decoder_tokens, target_cache, method=T5.decode)
+  draft_logits, _ = SharedEncoderDraft(CONFIG, CONFIG.emb_dim).apply(
+      params, decoder_tokens, draft_cache, method=SharedEncoderDraft.decode)
+  spread = float(jnp.std(target_logits))
+  assert float(jnp.max(jnp.abs(draft_logits - target_logits))) < 0.1 * spread
+  assert float(jnp.max(jnp.abs(draft_logits - target_logits))) > 0  # int8, not a copy
+
+
+@pytest.mark.parametrize('gamma', [1, 4])
+def test_greedy_speculative_with_the_int8_draft_is_the_baseline(gamma):
+  target, tokens = _target(), _encoder_tokens()
+  baseline = generate(target, tokens, config=CONFIG, max_decode_length=MAX_LEN)
+  drafter = Int8Drafter(CONFIG)
+  result = speculative_generate(target, drafter.draft_params(target), tokens,
+                                target_config=CONFIG, drafter=drafter,
+                                spec=SpeculativeConfig(gamma=gamma), max_decode_length=MAX_LEN)
+  np.testing.assert_array_equal(result.output.tokens, baseline.tokens)
+  np.testing.assert_array_equal(result.output.lengths, baseline.lengths)
+  assert float(result.stats.alpha) > 0.8  # the target's own decoder, int8
+
+
+def test_sampling_with_the_int8_draft_accepts_nearly_every_draft():
+  target, tokens = _target(), _encoder_tokens()
+  drafter = Int8Drafter(CONFIG)
+  result = speculative_generate(target, drafter.draft_params(target), tokens,
+                                jax.random.PRNGKey(4), target_config=CONFIG, drafter=drafter,
+                                spec=SpeculativeConfig(gamma=3), max_decode_length=MAX_LEN,
+                                sampling=SamplingConfig(temperature=1.0))
+  assert float(result.stats.alpha) > 0.8
