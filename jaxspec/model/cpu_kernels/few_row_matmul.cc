@@ -162,16 +162,26 @@ void RunParts(const std::shared_ptr<Parts>& parts, int64_t num_parts, const floa
   }
 }
 
-ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                        ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  const auto w_dims = w.dimensions();
+// The rows of x [..., in] (x_count elements) against w [out, in]; an error unless x's
+// last dimension is w's `in` and x holds at most kMaxRows rows.
+ffi::Error RowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
+                  ffi::Span<const int64_t> w_dims, int64_t* rows) {
   if (w_dims.size() != 2) return ffi::Error::InvalidArgument("w must be [out, in]");
-  const int64_t out = w_dims[0], in = w_dims[1];
-  const auto x_dims = x.dimensions();
+  const int64_t in = w_dims[1];
   if (x_dims.size() < 1 || x_dims.back() != in)
     return ffi::Error::InvalidArgument("x [..., in] does not match w [out, in]");
-  const int64_t rows = in == 0 ? 0 : x.element_count() / in;
-  if (rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than 16 rows");
+  *rows = in == 0 ? 0 : x_count / in;
+  if (*rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than 16 rows");
+  return ffi::Error::Success();
+}
+
+ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                        ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t rows = 0;
+  if (ffi::Error error = RowsOf(x.dimensions(), x.element_count(), w.dimensions(), &rows);
+      error.failure())
+    return error;
+  const int64_t out = w.dimensions()[0], in = w.dimensions()[1];
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
@@ -333,16 +343,13 @@ void Int8Outputs(const QuantizedRows& xq, const int8_t* w, const float* scale, f
 ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
                             ffi::ResultBuffer<ffi::F32> y) {
-  const auto w_dims = w.dimensions();
-  if (w_dims.size() != 2) return ffi::Error::InvalidArgument("w must be [out, in]");
-  const int64_t out = w_dims[0], in = w_dims[1];
-  const auto x_dims = x.dimensions();
-  if (x_dims.size() < 1 || x_dims.back() != in)
-    return ffi::Error::InvalidArgument("x [..., in] does not match w [out, in]");
+  int64_t rows = 0;
+  if (ffi::Error error = RowsOf(x.dimensions(), x.element_count(), w.dimensions(), &rows);
+      error.failure())
+    return error;
+  const int64_t out = w.dimensions()[0], in = w.dimensions()[1];
   if (scale.element_count() != out)
     return ffi::Error::InvalidArgument("scale must be [out] for w [out, in]");
-  const int64_t rows = in == 0 ? 0 : x.element_count() / in;
-  if (rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than 16 rows");
   float* yp = y->typed_data();
   if (in == 0) {
     std::fill(yp, yp + rows * out, 0.0f);
