@@ -44,6 +44,28 @@ class DecoderCache:
     return self.end_index.shape[0]
 
 
+def write(buffer, new, write_positions):
+  """buffer [b, h, d, L] with new [b, t, h, d] written at write_positions [b, t], which
+  run contiguously in each row (end_index[b] + 0..t-1, as decode writes them).
+
+  Positions past the buffer are dropped, never clamped onto valid slots. With one row
+  the positions are contiguous (end_index + 0..t-1) and are written by a dynamic update
+  slice, which XLA:CPU performs in place inside a decode loop, where a scatter made it
+  copy every buffer whole at every step (docs/design.md); a window that would run past
+  the buffer takes the scatter instead.
+  """
+  new = new.astype(buffer.dtype)
+  rows = jnp.arange(buffer.shape[0])[:, None]  # [b, 1]
+  # Indexing rows and positions (separated by the h, d slices) addresses [b, t, h, d].
+  scatter = lambda: buffer.at[rows, :, :, write_positions].set(new, mode='drop')  # noqa: E731
+  if buffer.shape[0] != 1:
+    return scatter()
+  start = write_positions[0, 0]
+  update = lambda: jax.lax.dynamic_update_slice(  # noqa: E731
+      buffer, jnp.transpose(new, (0, 2, 3, 1)), (0, 0, 0, start))  # [1, h, d, t]
+  return jax.lax.cond(start + new.shape[1] <= buffer.shape[3], update, scatter)
+
+
 def rollback(cache: DecoderCache, end_index: jax.Array) -> DecoderCache:
   """Keeps only the first `end_index[b]` positions of each row (an index update)."""
   return cache.replace(end_index=jnp.asarray(end_index, jnp.int32))

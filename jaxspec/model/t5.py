@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from jaxspec.config import T5Config
 from jaxspec.model import layers
+from jaxspec.model import cache as cache_lib
 from jaxspec.model.cache import DecoderCache, LayerCache
 from jaxspec.model.sharding import CACHE_AXES, EMBED_AXES, TARGET, VOCAB_AXES, constrain
 
@@ -117,14 +118,10 @@ class DecoderLayer(nn.Module):
     """x [b, t, e]; write_positions [b, t]; biases [b, h|1, t, L] and [b, 1, t, s]."""
     y = self.pre_self_attention_layer_norm(x)
     new_keys, new_values = self.self_attention.project_key_value(y)  # [b, t, h, d]
-    rows = jnp.arange(x.shape[0])[:, None]  # [b, 1]
-    # Buffers [b, h, d, L]: indexing rows and positions (separated by the h, d slices)
-    # addresses [b, t, h, d], the new keys' shape. Out-of-range positions are dropped
-    # rather than clamped onto valid slots.
-    keys = constrain(layer_cache.self_keys.at[rows, :, :, write_positions].set(
-        new_keys.astype(layer_cache.self_keys.dtype), mode='drop'), CACHE_AXES, self.role)
-    values = constrain(layer_cache.self_values.at[rows, :, :, write_positions].set(
-        new_values.astype(layer_cache.self_values.dtype), mode='drop'), CACHE_AXES, self.role)
+    keys = constrain(cache_lib.write(layer_cache.self_keys, new_keys, write_positions),
+                     CACHE_AXES, self.role)
+    values = constrain(cache_lib.write(layer_cache.self_values, new_values, write_positions),
+                       CACHE_AXES, self.role)
     x = x + self.self_attention.attend_cached(
         self.self_attention.project_query(y), keys, values, self_bias)
     y = self.pre_cross_attention_layer_norm(x)

@@ -215,6 +215,7 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // to float32. On CPU the step of an int8 draft is then bound by memory, not arithmetic.
 
 constexpr int64_t kInt8Lanes = 32;
+constexpr int64_t kInt8PrefetchBytes = 8192;
 constexpr float kInt8Max = 127.0f;
 
 // x's rows quantized to int8, zero-padded to a multiple of kInt8Lanes.
@@ -262,10 +263,14 @@ inline void Int8Block(const QuantizedRows& xq, const int8_t* w, int32_t* sums, i
   for (int r = 0; r < R; ++r) wr[r] = w + (o + r) * in;
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_si256();
+  // Whole output blocks at least kInt8PrefetchBytes ahead: one block of int8 rows is a
+  // quarter of the float32 bytes, too few in flight to hide memory latency.
+  const int64_t blocks_ahead = (kInt8PrefetchBytes + R * in - 1) / (R * in);
+  const int64_t ahead = blocks_ahead * R * in;
   for (int64_t i = 0; i < in32; i += kInt8Lanes) {
     if (kPrefetch && i % kLineBytes == 0) {
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + R * in + i),
-                                               _MM_HINT_T1);
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(wr[r] + ahead + i), _MM_HINT_T1);
     }
     __m256i wv[R];
     for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + i));
