@@ -73,6 +73,31 @@ def fit_inputs(rows: Sequence[Sequence[int]], length: int,
   return pad_rows(fitted, length), too_long
 
 
+def check_length_buckets(buckets: Sequence[int], length: int, name: str = 'buckets'):
+  """Raises ValueError unless buckets are increasing integers in [1, length]."""
+  buckets = tuple(buckets)
+  if (any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) for b in buckets)
+      or any(b < 1 or b > length for b in buckets)
+      or any(a >= b for a, b in zip(buckets, buckets[1:]))):
+    raise ValueError(f'{name} must be increasing integers from 1 to the input length '
+                     f'{length}, got {buckets!r}')
+
+
+def trim_to_bucket(tokens: np.ndarray, buckets: Sequence[int]) -> np.ndarray:
+  """tokens [b, length] (0 = padding after each row's ids) -> tokens [b, bucket]: the
+  shortest of `buckets` that holds every row's ids, else all `length` columns.
+
+  The encoder then runs over the bucket's positions instead of the whole padded
+  length; padding is masked everywhere, so the decode is the same up to float rounding
+  while each bucket compiles a program of its own (warm each before timing)."""
+  tokens = np.asarray(tokens)
+  used = tokens.shape[1] - np.argmax(tokens[:, ::-1] != 0, axis=1)  # [b]
+  used = np.where(np.any(tokens != 0, axis=1), used, 1)
+  longest = int(used.max(initial=1))
+  fitting = [b for b in buckets if longest <= b < tokens.shape[1]]
+  return tokens[:, :min(fitting)] if fitting else tokens
+
+
 class ResumableJsonl:
   """An append-only JSONL file of records keyed by 'index', safe to kill at any point.
 

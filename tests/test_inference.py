@@ -203,3 +203,20 @@ def test_text_inputs_skip_empty_lines_and_name_bad_ones():
     inference.read_text_inputs('a\nb\n'.encode() + 'Käse'.encode('latin-1'), 'in.txt')
   with pytest.raises(ValueError, match=r"in.jsonl, line 1: field 'text' holds int, not text"):
     inference.read_text_inputs(b'{"text": 3}\n', 'in.jsonl', 'text')
+
+
+def test_trim_to_bucket_takes_the_shortest_bucket_holding_every_row():
+  tokens = np.zeros((2, 10), np.int32)
+  tokens[0, :3] = [5, 6, 1]
+  tokens[1, :5] = [7, 8, 9, 4, 1]
+  np.testing.assert_array_equal(inference.trim_to_bucket(tokens, (4, 6, 8)), tokens[:, :6])
+  assert inference.trim_to_bucket(tokens, (2, 4)).shape == (2, 10)  # None holds row 1.
+  assert inference.trim_to_bucket(tokens, ()).shape == (2, 10)
+  assert inference.trim_to_bucket(tokens[:1], (2, 3, 4)).shape == (1, 3)
+  assert inference.trim_to_bucket(np.zeros((1, 10), np.int32), (2,)).shape == (1, 2)
+
+
+@pytest.mark.parametrize('buckets', [(0,), (4, 4), (8, 4), (11,), (2.5,), (True,)])
+def test_bad_length_buckets_are_named(buckets):
+  with pytest.raises(ValueError, match='must be increasing integers from 1 to the input length 10'):
+    inference.check_length_buckets(buckets, 10)

@@ -202,6 +202,33 @@ def test_sampled_predictions_do_not_depend_on_the_batch_size(tiny_checkpoints):
     assert _predictions(tmp_path / 'seed1', decoder) != batch1
 
 
+def test_input_length_buckets_keep_the_outputs_and_compile_each_length_once(
+    tiny_checkpoints, monkeypatch):
+  """Batches padded to the shortest bucket that holds them decode as the full padding
+  does; each bucket's program is compiled by one warm-up decode before the timings."""
+  tmp_path = tiny_checkpoints
+  shapes = []
+  generate = infer_script.generate
+  monkeypatch.setattr(infer_script, 'generate', lambda params, tokens, *args, **kwargs: (
+      shapes.append(tokens.shape), generate(params, tokens, *args, **kwargs))[1])
+  runs = {'full': [], 'buckets': ['infer.input_length_buckets=(8, 12, 16)']}
+  for name, bindings in runs.items():
+    _parse(tmp_path, _infer_config(tmp_path),
+           bindings + ['infer.num_examples=8', 'infer.batch_size=1',
+                       f"infer.output_dir='{tmp_path / name}'"])
+    summary = infer_script.infer()
+    assert summary['identical_outputs'] == 8
+  for decoder in ('baseline', 'speculative'):
+    assert _predictions(tmp_path / 'buckets', decoder) == _predictions(tmp_path / 'full', decoder)
+  full, bucketed = shapes[:9], shapes[9:]
+  assert {shape[1] for shape in full} == {64}
+  lengths = [shape[1] for shape in bucketed]
+  assert set(lengths) <= {8, 12, 16, 64} and len(set(lengths)) > 1, lengths
+  assert len(lengths) == 8 + len(set(lengths))  # One warm-up decode per length.
+  settings = json.loads((tmp_path / 'buckets' / 'settings.json').read_text())
+  assert settings['settings']['input_length_buckets'] == [8, 12, 16]
+
+
 # Interruption: scripts/infer.py as a subprocess, killed and started again.
 
 INTERRUPTED_EXAMPLES = 20
@@ -335,6 +362,10 @@ def test_a_second_writer_is_refused(tiny_checkpoints):
     ('infer.num_examples=0', r'infer.num_examples must be >= 1'),
     ("infer.split='tset'", r"infer.split must be one of \('train', 'validation', 'test'\)"),
     ("infer.target_checkpoint='/nowhere'", r'no checkpoint directory at /nowhere'),
+    ('infer.input_length_buckets=(16, 8)',
+     r'infer.input_length_buckets must be increasing integers from 1 to the input length 64, '
+     r'got \(16, 8\)'),
+    ('infer.input_length_buckets=(128,)', r'infer.input_length_buckets must be increasing'),
     ('infer.batch_size=4096',
      r'decoding batches of 4096 with max_decode_length 8 and gamma 2 needs about \d+\.\d GiB '
      r'.* more than the 1.0 GiB available'),
