@@ -226,20 +226,46 @@ struct QuantizedRows {
   float scale[kMaxRows] = {};
 };
 
+// Vectorized where it can be: _mm256_div_ps divides exactly as the scalar division does
+// and _mm256_round_ps rounds half to even as nearbyint does, so every lane equals the
+// scalar tail's result (and jaxspec.model.cpu_matmul.quantize_activations).
 void QuantizeRows(const float* x, int64_t rows, int64_t in, QuantizedRows* q) {
   q->padded = (in + kInt8Lanes - 1) / kInt8Lanes * kInt8Lanes;
-  q->value.assign(rows * q->padded, 0);
+  q->value.assign(rows * q->padded, 0);  // Keeps its capacity from call to call.
   q->magnitude.assign(rows * q->padded, 0);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 top = _mm256_set1_ps(kInt8Max), bottom = _mm256_set1_ps(-kInt8Max);
+  const int64_t in8 = in - in % kLanes;
   for (int64_t m = 0; m < rows; ++m) {
     const float* xm = x + m * in;
+    __m256 peaks = _mm256_setzero_ps();
+    for (int64_t i = 0; i < in8; i += kLanes)
+      peaks = _mm256_max_ps(peaks, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(xm + i)));
+    float lanes[kLanes];
+    _mm256_storeu_ps(lanes, peaks);
     float peak = 0.0f;
-    for (int64_t i = 0; i < in; ++i) peak = std::max(peak, std::fabs(xm[i]));
+    for (float lane : lanes) peak = std::max(peak, lane);
+    for (int64_t i = in8; i < in; ++i) peak = std::max(peak, std::fabs(xm[i]));
     const float scale = peak > 0.0f ? peak / kInt8Max : 1.0f;
     q->scale[m] = scale;
-    for (int64_t i = 0; i < in; ++i) {
+    int8_t* value = &q->value[m * q->padded];
+    uint8_t* magnitude = &q->magnitude[m * q->padded];
+    const __m256 scales = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < in8; i += kLanes) {
+      __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xm + i), scales),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm256_min_ps(top, _mm256_max_ps(bottom, v));
+      alignas(32) int32_t ints[kLanes];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(ints), _mm256_cvtps_epi32(v));
+      for (int64_t k = 0; k < kLanes; ++k) {
+        value[i + k] = static_cast<int8_t>(ints[k]);
+        magnitude[i + k] = static_cast<uint8_t>(std::abs(ints[k]));
+      }
+    }
+    for (int64_t i = in8; i < in; ++i) {
       const float v = std::min(kInt8Max, std::max(-kInt8Max, std::nearbyint(xm[i] / scale)));
-      q->value[m * q->padded + i] = static_cast<int8_t>(v);
-      q->magnitude[m * q->padded + i] = static_cast<uint8_t>(std::fabs(v));
+      value[i] = static_cast<int8_t>(v);
+      magnitude[i] = static_cast<uint8_t>(std::fabs(v));
     }
   }
 }
@@ -360,8 +386,11 @@ ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     std::fill(yp, yp + rows * out, 0.0f);
     return ffi::Error::Success();
   }
-  auto xq = std::make_shared<QuantizedRows>();
-  QuantizeRows(x.typed_data(), rows, in, xq.get());
+  // The calling thread's buffers, reused: every part that reads them finishes before
+  // this call returns (a pool task that starts later claims no part and reads nothing).
+  thread_local QuantizedRows quantized;
+  QuantizedRows* xq = &quantized;
+  QuantizeRows(x.typed_data(), rows, in, xq);
   const int8_t* wp = w.typed_data();
   const float* sp = scale.typed_data();
   const int64_t num_parts =
