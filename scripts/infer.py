@@ -1,7 +1,7 @@
 """Decodes a task split, or your own text, with the baseline and with speculative
 decoding, side by side; or with beam search and speculative beam search.
 
-  python scripts/infer.py                                   # configs/infer/ende45m_local.gin
+  python scripts/infer.py                                   # configs/infer/ende45m_int8.gin
   python scripts/infer.py --gin_file=configs/infer/ende_local.gin \
       --gin.infer.num_examples=100 --gin.TEMPERATURE=1.0
   python scripts/infer.py --input_file=my_text.txt          # one input a line
@@ -61,7 +61,7 @@ from jaxspec.model import abstract_params, kernel_layout
 from jaxspec.model.quantization import int8_decoder
 from jaxspec.sampling import SamplingConfig
 
-DEFAULT_GIN_FILE = 'configs/infer/ende45m_local.gin'  # The pair on which speculation pays.
+DEFAULT_GIN_FILE = 'configs/infer/ende45m_int8.gin'  # The pair on which speculation pays.
 SAMPLING_DECODERS = ('baseline', 'speculative')  # Decode under `sampling`.
 BEAM_DECODERS = ('beam', 'speculative_beam')  # Beam search under `beam`, deterministic.
 DECODERS = SAMPLING_DECODERS + BEAM_DECODERS
