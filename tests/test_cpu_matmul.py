@@ -188,3 +188,30 @@ def test_int8_rows_are_independent_and_xla_runs_where_the_kernel_cannot():
                              _int8_reference(np.ones((18, 100), np.float32), np.asarray(w_q),
                                              np.asarray(scale)).reshape(2, 9, 300),
                              rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize('threads_setting', ['spin', 'pool'])
+def test_concurrent_callers_and_either_thread_setting_give_the_same_products(
+    threads_setting, monkeypatch):
+  """Parts go to the kernel's own helper threads (default) or to XLA's pool
+  (JAXSPEC_KERNEL_THREADS=pool); callers on several threads at once (one gets the
+  helpers, the others run their parts alone) all get their own, exact products."""
+  import concurrent.futures
+  monkeypatch.setenv('JAXSPEC_KERNEL_THREADS', threads_setting)
+  operands = [_operands(1 + n % 3, 512, 1030, seed=10 + n) for n in range(6)]
+  quantized = [_int8_operands(1 + n % 3, 512, 1030, seed=20 + n) for n in range(6)]
+  expected = [np.asarray(_kernel(jnp.asarray(x), jnp.asarray(w))) for x, w in operands]
+  expected_int8 = [_int8_reference(*ops) for ops in quantized]
+
+  def call(start):
+    for i in range(start, start + 24):  # Other operands each call: no stale output passes.
+      n = i % 6
+      x, w = operands[n]
+      np.testing.assert_array_equal(np.asarray(_kernel(jnp.asarray(x), jnp.asarray(w))),
+                                    expected[n])
+      got = np.asarray(_int8_kernel(*(jnp.asarray(a) for a in quantized[n])))
+      np.testing.assert_allclose(got, expected_int8[n], rtol=1e-6, atol=1e-6)
+
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    list(pool.map(call, range(3)))

@@ -58,7 +58,7 @@ MAX_ROWS = 16  # The kernel's limit on rows per product (kMaxRows in the source)
 TARGET_NAME = 'jaxspec_few_row_matmul'
 INT8_TARGET_NAME = 'jaxspec_few_row_matmul_int8'
 SOURCE = pathlib.Path(__file__).parent / 'cpu_kernels' / 'few_row_matmul.cc'
-COMPILE_FLAGS = ('-O3', '-mavx2', '-mfma', '-std=c++17', '-shared', '-fPIC', '-w')
+COMPILE_FLAGS = ('-O3', '-mavx2', '-mfma', '-std=c++17', '-shared', '-fPIC', '-pthread', '-w')
 _SYMBOLS = {TARGET_NAME: 'JaxspecFewRowMatmul', INT8_TARGET_NAME: 'JaxspecFewRowMatmulInt8'}
 
 
