@@ -20,8 +20,10 @@ import jaxspec.configurables  # noqa: E402,F401  (registers the dataclasses with
 from jaxspec.checkpoints import shared_encoder_draft as shared_encoder_draft_checkpoints  # noqa: E402
 from jaxspec.checkpoints.t5x import load_t5x_checkpoint  # noqa: E402
 
-# Main job (configs/infer/<name>.gin) -> its metric.
-MAIN_JOBS = {'ende_local': 'bleu', 'docsum_local': 'rouge1', 'ende45m_local': 'bleu'}
+# Main job (configs/infer/<name>.gin) -> its metric: the default (the 45M target with
+# its int8 draft) and the two trained-draft pairs (configs/infer/ende45m_local.gin, the
+# 45M target with a trained draft, is parsed by tests/test_gin_configs.py).
+MAIN_JOBS = {'ende_local': 'bleu', 'docsum_local': 'rouge1', 'ende45m_int8': 'bleu'}
 # Shipped checkpoint (checkpoints/<path>) -> its gin model (gin/models/) and parameters.
 CHECKPOINTS = {
     f'{pair}/{model}': (f'local_{model}', count)
