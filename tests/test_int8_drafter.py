@@ -91,6 +91,10 @@ def test_the_int8_draft_tracks_the_target_decoder():
   draft_cache = drafter.init_state_from_target(params, tokens, encoded, 6)
   for mine, theirs in zip(draft_cache.layers, target_cache.layers):
     np.testing.assert_array_equal(mine.cross_keys, theirs.cross_keys)
+  # What speculative decoding builds: the target's cross cache shared, not recomputed.
+  shared = drafter.init_state_from_target_cache(params, target_cache, 9)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, shared,
+                         drafter.init_state_from_target(params, tokens, encoded, 9))
   decoder_tokens = jnp.asarray([[0, 7, 9, 11]] * 3, jnp.int32)
   target_logits, _ = model.apply(target, decoder_tokens, target_cache, method=T5.decode)
   draft_logits, _ = SharedEncoderDraft(CONFIG, CONFIG.emb_dim).apply(

@@ -14,7 +14,10 @@ SharedEncoderDrafter (shared_encoder_drafter.py). All are importable from
 A drafter that reads the target's encoder output instead of encoding the input
 itself also defines `init_state_from_target(params, encoder_tokens, target_encoded,
 max_length)`; speculative decoding then calls it (through `init_drafter_state`) with
-the encoding the target already computed, in place of `init_state`.
+the encoding the target already computed, in place of `init_state`. A drafter whose
+cross-attention keys/values are the target's own (the int8 draft) defines
+`init_state_from_target_cache(params, target_cache, max_length)` instead, and reuses
+the target's cross-attention cache rather than projecting the encoding again.
 
 A drafter may also define `propose_top_branches(params, state, context, gamma,
 num_branches)` -> tokens [b, k, gamma], q [b, k, gamma, v], state of the branches
@@ -74,9 +77,13 @@ class Drafter(Protocol):
 
 
 def init_drafter_state(drafter: Drafter, params, encoder_tokens, target_encoded,
-                       max_length: int):
+                       max_length: int, target_cache=None):
   """The drafter's per-generation state; target_encoded [b, s, e] is the target's
-  encoder output, used by drafters that define `init_state_from_target`."""
+  encoder output, used by drafters that define `init_state_from_target`, and
+  target_cache the target's DecoderCache, by drafters that define
+  `init_state_from_target_cache`."""
+  if target_cache is not None and hasattr(drafter, 'init_state_from_target_cache'):
+    return drafter.init_state_from_target_cache(params, target_cache, max_length)
   if hasattr(drafter, 'init_state_from_target'):
     return drafter.init_state_from_target(params, encoder_tokens, target_encoded, max_length)
   return drafter.init_state(params, encoder_tokens, max_length)

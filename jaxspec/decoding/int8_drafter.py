@@ -9,8 +9,10 @@ needs no training and no checkpoint of its own: its params are made from the tar
 when the target is loaded (`draft_params`).
 
 Like SharedEncoderDrafter (which it is, with the target's decoder shape), it cross-
-attends to the target's encoder output, so drafting costs no encoder pass; the
-cross-attention keys/values come from the target's float32 projections. Proposals,
+attends to the target's encoder output, so drafting costs no encoder pass; its
+cross-attention keys/values are the target's own (float32 projections), so in
+speculative decoding it takes them from the target's cache
+(`init_state_from_target_cache`) instead of projecting the encoding a second time. Proposals,
 rollback and exactness are those of every cached-decoder drafter: the float32 target
 verifies every draft, so the output is the target's whatever the draft proposes.
 """
@@ -21,9 +23,12 @@ import dataclasses
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 
 from jaxspec.decoding.shared_encoder_drafter import SharedEncoderDrafter
+from jaxspec.model.cache import DecoderCache, LayerCache
 from jaxspec.model.quantization import int8_decoder
+from jaxspec.model.sharding import CACHE_AXES, DRAFT, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,3 +54,22 @@ class Int8Drafter(SharedEncoderDrafter):
   def draft_params(target_params: Mapping[str, Any]):
     """The draft's {'params'} on the default device, made from the target's variables."""
     return jax.device_put(int8_decoder(target_params))
+
+  def init_state_from_target_cache(self, params, target_cache: DecoderCache,
+                                   max_length: int) -> DecoderCache:
+    """The draft's DecoderCache of max_length: empty self-attention buffers and the
+    target's cross-attention keys/values [b, h, d, s], shared, not recomputed."""
+    del params  # The cross-attention projections are the target's.
+
+    def layer(target_layer: LayerCache) -> LayerCache:
+      batch, heads, head_dim, _ = target_layer.self_keys.shape
+      empty = lambda: constrain(  # noqa: E731
+          jnp.zeros((batch, heads, head_dim, max_length), target_layer.self_keys.dtype),
+          CACHE_AXES, DRAFT)
+      return LayerCache(self_keys=empty(), self_values=empty(),
+                        cross_keys=constrain(target_layer.cross_keys, CACHE_AXES, DRAFT),
+                        cross_values=constrain(target_layer.cross_values, CACHE_AXES, DRAFT))
+
+    return DecoderCache(layers=tuple(layer(c) for c in target_cache.layers),
+                        encoder_mask=target_cache.encoder_mask,
+                        end_index=jnp.zeros_like(target_cache.end_index))

@@ -502,7 +502,7 @@ def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
       tokens=tokens, token_log_probs=log_probs, length=jnp.ones((batch,), jnp.int32),
       done=done, target_cache=target_cache,
       drafter_state=init_drafter_state(drafter, drafter_params, encoder_tokens, encoded,
-                                       cache_length),
+                                       cache_length, target_cache),
       row_keys=row_keys, iteration=jnp.ones((), jnp.int32), stats=stats,
       nonfinite=nonfinite,
       trace=_initial_trace(tokens, jnp.where(nonfinite, 0, 1), spec.gamma) if record_trace
