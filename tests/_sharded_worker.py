@@ -3,10 +3,14 @@
 The parent sets XLA_FLAGS=--xla_force_host_platform_device_count=8 so that this
 process (and only this one) sees 8 CPU devices. It decodes a tiny target/draft pair
 once on a single device and then on the 1x8, 2x4 and 8x1 ('data', 'model') meshes,
-loads a checkpoint into sharded arrays, and prints one JSON object on the last line
-of stdout: tokens and shardings for the parent to compare.
+loads a checkpoint into sharded arrays, runs the launcher on a 2x4 mesh, and prints one
+JSON object on the last line of stdout: tokens and shardings for the parent to compare.
 
-  python tests/_sharded_worker.py <scratch directory>
+  python tests/_sharded_worker.py <scratch directory> [<launcher directory>]
+
+The launcher directory holds LAUNCHER_CONFIG's checkpoints and the launcher's
+unpartitioned run of them (<dir>/{target,draft,plain}, as tests/conftest.py's
+tiny_launcher_run makes them in the test process); without it the worker makes both.
 """
 
 import json
@@ -164,6 +168,8 @@ def _checkpoint_case(scratch, partitioner, target_variables, tokens, keys) -> di
   return result
 
 
+# The task's input length (64) and what tests/test_scripts.py's in-process runs decode
+# (tiny pair, batches of 2, 8 tokens, gamma 2): the same programs, compiled once.
 LAUNCHER_CONFIG = """
 include 'gin/tasks/ende.gin'
 include 'gin/decoding/speculative.gin'
@@ -172,7 +178,6 @@ infer.target_model = @tiny_target/jaxspec.T5Config()
 infer.drafter = @jaxspec.T5Drafter()
 jaxspec.T5Drafter.config = @tiny_draft/jaxspec.T5Config()
 infer.draft_name = 'tiny'
-infer.input_length = 32
 infer.max_decode_length = 8
 infer.num_examples = 4
 infer.batch_size = 2
@@ -227,20 +232,35 @@ def written_tokens(output_dir: str) -> dict:
   return result
 
 
-def _launcher_case(scratch: str) -> dict:
-  """scripts/infer.py unpartitioned and on a 2 x 4 mesh (gin/partitioning fragment)."""
-  write_launcher_checkpoints(scratch)
-  runs = {'plain': [], 'sharded': ["include 'gin/partitioning/model_parallel_8.gin'",
-                                   'jaxspec.PartitioningConfig.num_partitions = 4']}
-  result = {}
-  for run, extra in runs.items():
-    summary = run_launcher(scratch, f'{scratch}/out_{run}', extra)
-    result[run] = {'mesh': summary.get('mesh'), 'identical_outputs': summary['identical_outputs'],
-                   **written_tokens(f'{scratch}/out_{run}')}
-  return result
+def written_run(output_dir: str) -> dict:
+  """The mesh, identical outputs and tokens a launcher run wrote to output_dir."""
+  with open(f'{output_dir}/summary.json') as f:
+    summary = json.load(f)
+  return {'mesh': summary.get('mesh'), 'identical_outputs': summary['identical_outputs'],
+          **written_tokens(output_dir)}
 
 
-def main(scratch: str) -> None:
+def make_launcher_run(directory: str) -> None:
+  """LAUNCHER_CONFIG's checkpoints under directory/{target,draft} and the launcher's
+  unpartitioned run of them in directory/plain."""
+  write_launcher_checkpoints(directory)
+  run_launcher(directory, f'{directory}/plain')
+
+
+def _launcher_case(scratch: str, launcher_dir: str | None) -> dict:
+  """scripts/infer.py on a 2 x 4 mesh (gin/partitioning fragment), and the unpartitioned
+  run of the same checkpoints (made here when launcher_dir is None)."""
+  if launcher_dir is None:
+    launcher_dir = scratch
+    make_launcher_run(launcher_dir)
+  run_launcher(launcher_dir, f'{scratch}/out_sharded',
+               ["include 'gin/partitioning/model_parallel_8.gin'",
+                'jaxspec.PartitioningConfig.num_partitions = 4'])
+  return {'plain': written_run(f'{launcher_dir}/plain'),
+          'sharded': written_run(f'{scratch}/out_sharded')}
+
+
+def main(scratch: str, launcher_dir: str | None = None) -> None:
   assert jax.device_count() == 8, jax.devices()
   target_variables = init_params(TARGET, jax.random.PRNGKey(0))
   draft_variables = init_params(DRAFT, jax.random.PRNGKey(1))
@@ -257,9 +277,9 @@ def main(scratch: str) -> None:
                               tokens, keys, runs)
   report['checkpoint_2x4'] = _checkpoint_case(scratch, partitioners['2x4'],
                                                target_variables, tokens, keys)
-  report['launcher_2x4'] = _launcher_case(scratch)
+  report['launcher_2x4'] = _launcher_case(scratch, launcher_dir)
   print(json.dumps(report))
 
 
 if __name__ == '__main__':
-  main(sys.argv[1])
+  main(*sys.argv[1:])

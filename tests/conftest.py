@@ -68,3 +68,16 @@ def _drop_compiled_programs_when_mappings_run_high():
   if memory_mappings() > MAX_MAPPINGS:
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope='session')
+def tiny_launcher_run(tmp_path_factory):
+  """scripts/infer.py's unpartitioned run of tiny random checkpoints, made once in this
+  process: a directory holding the checkpoints (target/, draft/) and the run's outputs
+  (plain/), tests/_sharded_worker.py's LAUNCHER_CONFIG. The sharded and multi-host
+  launcher runs (tests/test_partitioning.py, tests/test_multihost.py) decode the same
+  checkpoints and must write what it wrote."""
+  import _sharded_worker  # pylint: disable=g-import-not-at-top  (tests/, imports the scripts)
+  directory = tmp_path_factory.mktemp('launcher')
+  _sharded_worker.make_launcher_run(str(directory))
+  return directory

@@ -42,18 +42,19 @@ def _tokens_by_index(path):
 
 
 @pytest.fixture(scope='module')
-def job(tmp_path_factory):
+def job(tmp_path_factory, tiny_launcher_run):
   scratch = tmp_path_factory.mktemp('multihost')
-  plain = subprocess.run([sys.executable, WORKER, str(scratch), 'plain'], env=_env(1),
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
-  assert plain.returncode == 0, plain.stderr[-5000:]
+  # The checkpoints, and the single-device run of them: conftest.py's tiny_launcher_run
+  # (made in this process, shared with tests/test_partitioning.py).
+  plain = tiny_launcher_run / 'plain'
   # Process 0 resumes a run cut off after the first baseline batch (examples 0 and 1).
   os.makedirs(scratch / 'process_0')
-  seeded = sorted(_lines(scratch / 'plain' / 'baseline.jsonl'), key=lambda r: r['index'])[:2]
+  seeded = sorted(_lines(plain / 'baseline.jsonl'), key=lambda r: r['index'])[:2]
   with open(scratch / 'process_0' / 'baseline.jsonl', 'w') as f:
     f.writelines(json.dumps(record) + '\n' for record in seeded)
   port = str(_free_port())
-  processes = [subprocess.Popen([sys.executable, WORKER, str(scratch), str(i), port],
+  processes = [subprocess.Popen([sys.executable, WORKER, str(tiny_launcher_run), str(scratch),
+                                 str(i), port],
                                 env=_env(2), cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for i in (0, 1)]
   try:
@@ -64,7 +65,8 @@ def job(tmp_path_factory):
       p.kill()
   for p, (_, stderr) in zip(processes, outputs):
     assert p.returncode == 0, stderr[-5000:]
-  return {'scratch': scratch, 'plain': _last_json(plain.stdout)['summary'],
+  return {'scratch': scratch, 'plain_dir': plain,
+          'plain': json.loads((plain / 'summary.json').read_text()),
           'processes': [_last_json(stdout) for stdout, _ in outputs], 'seeded': seeded}
 
 
@@ -79,13 +81,13 @@ def test_only_process_zero_writes(job):
   assert job['processes'][1]['summary'] == {}
   assert not os.path.exists(job['scratch'] / 'process_1')
   assert sorted(os.listdir(job['scratch'] / 'process_0')) == sorted(
-      os.listdir(job['scratch'] / 'plain'))
+      os.listdir(job['plain_dir']))
 
 
 def test_outputs_equal_the_single_device_run(job):
   for decoder in ('baseline', 'speculative'):
     assert (_tokens_by_index(job['scratch'] / 'process_0' / f'{decoder}.jsonl')
-            == _tokens_by_index(job['scratch'] / 'plain' / f'{decoder}.jsonl')), decoder
+            == _tokens_by_index(job['plain_dir'] / f'{decoder}.jsonl')), decoder
   summary = job['processes'][0]['summary']
   assert summary['identical_outputs'] == job['plain']['identical_outputs'] == 4
 

@@ -136,12 +136,14 @@ def test_sharded_load_refuses_shardings_of_another_tree(tmp_path, tiny_params):
 
 
 @pytest.fixture(scope='module')
-def sharded_report(tmp_path_factory):
+def sharded_report(tmp_path_factory, tiny_launcher_run):
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {WORKER_XLA_FLAGS}".strip())
   scratch = tmp_path_factory.mktemp('sharded')
-  run = subprocess.run([sys.executable, WORKER, str(scratch)], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=900)
+  # The launcher's unpartitioned run is made in this process (conftest.py), once for
+  # this test and tests/test_multihost.py.
+  run = subprocess.run([sys.executable, WORKER, str(scratch), str(tiny_launcher_run)],
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
   assert run.returncode == 0, run.stderr[-5000:]
   return json.loads(run.stdout.strip().splitlines()[-1])
 
