@@ -103,7 +103,7 @@ def _describe_params(variables) -> dict:
   return {path: _describe(flat[path]) for path in CHECKED_PARAMS if path in flat}
 
 
-def _cache_specs(target_params, draft_params, tokens) -> dict:
+def _cache_specs(target_params, draft_params, tokens, roles=('target', 'draft')) -> dict:
   """The sharding of layer 0's self-attention key buffer and cross-attention keys
   [b, length, heads, kv], for the target and the draft (a fresh jit per call)."""
   def cache(params, config, role):
@@ -114,6 +114,8 @@ def _cache_specs(target_params, draft_params, tokens) -> dict:
   specs = {}
   for role, params, config in (('target', target_params, TARGET),
                                ('draft', draft_params, DRAFT)):
+    if role not in roles:
+      continue
     layer = jax.jit(lambda p, c=config, r=role: cache(p, c, r))(params).layers[0]
     specs[role] = {'self_keys': str(layer.self_keys.sharding.spec),
                    'cross_keys': str(layer.cross_keys.sharding.spec)}
@@ -125,7 +127,8 @@ def _mesh_case(partitioner, target_variables, draft_variables, tokens, keys, run
   draft_params = partitioner.place_params(draft_variables, DRAFT, draft=True)
   sharded_tokens = partitioner.shard_batch(tokens)
   sharded_keys = partitioner.shard_batch(keys)
-  unconstrained = _cache_specs(target_params, draft_params, sharded_tokens)
+  # Without constraints only the target's layout is checked (propagation alone).
+  unconstrained = _cache_specs(target_params, draft_params, sharded_tokens, ('target',))
   with partitioner.activation_sharding():
     constrained = _cache_specs(target_params, draft_params, sharded_tokens)
     decoded = _decode(target_params, draft_params, sharded_tokens, sharded_keys, runs)
