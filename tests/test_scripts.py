@@ -290,20 +290,27 @@ def test_infer_killed_and_restarted_writes_what_an_uninterrupted_run_writes(tiny
   _run_to_completion(_infer_command(config, tmp_path / 'straight'), env, log)
   seed = random.randrange(2**32)
   total = len(DECODERS) * INTERRUPTED_EXAMPLES
+  # One output directory: the run is stopped by SIGTERM, the restarted run (resuming
+  # what the first left) is killed by SIGKILL, and a third run completes it. Each stop
+  # is at a random point with a few batches left, so it lands before the end: SIGTERM
+  # in the first half, SIGKILL once the restarted run has written records of its own.
+  out_dir = tmp_path / 'interrupted'
+  command = _infer_command(config, out_dir)
+  contexts = []
   for sig in (signal.SIGTERM, signal.SIGKILL):
-    out_dir = tmp_path / sig.name
-    # A random point, with a few batches left so the kill lands before the end.
-    records = random.Random(seed + sig).randrange(1, total - 8)
-    command = _infer_command(config, out_dir)
+    written = _lines_on_disk(out_dir)
+    low, high = (1, total // 2) if sig == signal.SIGTERM else (written + 1, total - 8)
+    records = random.Random(seed + sig).randrange(min(low, high - 1), high)
     returncode = _kill_after(command, env, log, out_dir, records, sig)
-    context = f'{sig.name} after {records} records (seed {seed}); see {log}'
+    contexts.append(f'{sig.name} after {records} records')
+    context = f"{', then '.join(contexts)} (seed {seed}); see {log}"
     assert returncode == -sig, context
     assert _lines_on_disk(out_dir) < total, context
-    _run_to_completion(command, env, log)
-    for name in DECODERS:
-      resumed = _final_records(out_dir, name)
-      assert [r['index'] for r in resumed] == list(range(INTERRUPTED_EXAMPLES)), context
-      assert resumed == _final_records(tmp_path / 'straight', name), context
+  _run_to_completion(command, env, log)
+  for name in DECODERS:
+    resumed = _final_records(out_dir, name)
+    assert [r['index'] for r in resumed] == list(range(INTERRUPTED_EXAMPLES)), context
+    assert resumed == _final_records(tmp_path / 'straight', name), context
 
 
 # Settings: the output directory is keyed by them, locked, and checked up front.
