@@ -269,6 +269,21 @@ bool UseSpinPool() {
   return !(setting && std::strcmp(setting, "pool") == 0);
 }
 
+// Runs outputs(begin, end) over [0, out) in parts (multiples of 8 outputs, at least
+// kOutputsPerTask each) on the calling thread and the helpers.
+template <typename OutputRange>
+void SplitOverHelpers(const ffi::ThreadPool& pool, int64_t out, const OutputRange& outputs) {
+  SpinPool& helpers = Helpers(pool);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(helpers.num_helpers() + 1,
+                                                               out / kOutputsPerTask));
+  const int64_t per_part = (out / parts + 7) / 8 * 8;
+  helpers.Run(parts, [&](int64_t p) {
+    const int64_t begin = std::min(out, p * per_part);
+    const int64_t end = p + 1 == parts ? out : std::min(out, begin + per_part);
+    outputs(begin, end);
+  });
+}
+
 // Splits the outputs into parts claimed from a shared counter by the calling thread and
 // by tasks on XLA's intra-op pool. A task that starts after every part is claimed does
 // nothing, so the call never waits on a thread that is busy elsewhere.
@@ -323,13 +338,7 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::Success();
   }
   if (UseSpinPool()) {
-    SpinPool& helpers = Helpers(pool);
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(helpers.num_helpers() + 1,
-                                                                 out / kOutputsPerTask));
-    const int64_t per_part = (out / parts + 7) / 8 * 8;
-    helpers.Run(parts, [&](int64_t p) {
-      const int64_t begin = std::min(out, p * per_part);
-      const int64_t end = p + 1 == parts ? out : std::min(out, begin + per_part);
+    SplitOverHelpers(pool, out, [&](int64_t begin, int64_t end) {
       Outputs(xp, wp, yp, rows, in, out, begin, end);
     });
     return ffi::Error::Success();
@@ -538,13 +547,7 @@ ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::Success();
   }
   if (UseSpinPool()) {
-    SpinPool& helpers = Helpers(pool);
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(helpers.num_helpers() + 1,
-                                                                 out / kOutputsPerTask));
-    const int64_t per_part = (out / parts + 7) / 8 * 8;
-    helpers.Run(parts, [&](int64_t p) {
-      const int64_t begin = std::min(out, p * per_part);
-      const int64_t end = p + 1 == parts ? out : std::min(out, begin + per_part);
+    SplitOverHelpers(pool, out, [&](int64_t begin, int64_t end) {
       Int8Outputs(*xq, wp, sp, yp, rows, in, out, begin, end);
     });
     return ffi::Error::Success();
