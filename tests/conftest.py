@@ -17,9 +17,21 @@ Both are set only where the caller has not set them (XLA_FLAGS keeps what it hol
 One pytest process compiles hundreds of XLA programs; kept for the whole run, their
 executables used up the process's memory mappings (vm.max_map_count, 65530 here) with
 most RAM free, and XLA:CPU crashed compiling late in the suite ("LLVM compilation error:
-Cannot allocate memory"). After each test, when the process holds more than
-MAX_MAPPINGS mappings, the in-memory programs are dropped (a later test that needs one
-loads it from the persistent cache).
+Cannot allocate memory"). After every CHECK_MAPPINGS_EVERY-th test, when the process
+holds more than MAX_MAPPINGS mappings, the in-memory programs are dropped (a later test
+that needs one loads it from the persistent cache).
+
+Lowering shares MLIR contexts (share_mlir_contexts): jax makes a fresh context, loading
+every dialect, for each program it lowers, and the suite lowers thousands (every
+operation run outside jit is one); creating and destroying them took about a tenth of
+the suite's CPU time. A context serves MLIR_CONTEXT_USES programs, then a fresh one is
+made (MLIR keeps a context's types and attributes until the context goes). Programs
+are lowered and compiled as before, in a context used by others before them.
+JAXSPEC_TESTS_FRESH_MLIR_CONTEXTS=1 turns this off.
+
+At the end of the session the surviving objects are frozen (gc.freeze) before pytest's
+and jax's final garbage collections, which otherwise walked the whole heap of the run
+(every compiled program and cached result) several times.
 """
 
 import atexit
@@ -27,6 +39,7 @@ import gc
 import os
 import shutil
 import tempfile
+import threading
 
 _FAST_COMPILE_FLAGS = {'xla_backend_optimization_level': '0',
                        'xla_cpu_use_fusion_emitters': 'false'}
@@ -50,14 +63,48 @@ jax.config.update('jax_persistent_cache_min_compile_time_secs',
 jax.config.update('jax_persistent_cache_min_entry_size_bytes',
                   int(os.environ.get('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', 0)))
 
+MLIR_CONTEXT_USES = 200
+
+
+def share_mlir_contexts(uses: int = MLIR_CONTEXT_USES) -> None:
+  """Makes jax lower `uses` programs in each MLIR context instead of one (jax's own
+  make_ir_context makes each context; nothing changes where jax lacks it)."""
+  try:
+    from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  make_ir_context = getattr(mlir, 'make_ir_context', None)
+  if make_ir_context is None or getattr(make_ir_context, 'shared', False):
+    return
+  state = {'context': None, 'uses': 0}
+  lock = threading.Lock()
+
+  def shared_ir_context():
+    with lock:
+      if state['context'] is None or state['uses'] >= uses:
+        state['context'], state['uses'] = make_ir_context(), 0
+      state['uses'] += 1
+      return state['context']
+
+  shared_ir_context.shared = True
+  mlir.make_ir_context = shared_ir_context
+
+
+if os.environ.get('JAXSPEC_TESTS_FRESH_MLIR_CONTEXTS', '') in ('', '0'):
+  share_mlir_contexts()
+
 MAX_MAPPINGS = 30_000  # Less than half of vm.max_map_count's default, 65530.
+# Reading /proc/self/maps costs ~7 ms at the suite's usual ~7000 mappings; a few tests
+# add at most hundreds, far from the ~35000 between MAX_MAPPINGS and the limit.
+CHECK_MAPPINGS_EVERY = 4
+_tests_since_mappings_checked = [0]
 
 
 def memory_mappings() -> int:
   """The number of memory mappings this process holds (0 where /proc is absent)."""
   try:
     with open('/proc/self/maps', 'rb') as maps:
-      return sum(1 for _ in maps)
+      return maps.read().count(b'\n')
   except OSError:
     return 0
 
@@ -65,9 +112,21 @@ def memory_mappings() -> int:
 @pytest.fixture(autouse=True)
 def _drop_compiled_programs_when_mappings_run_high():
   yield
+  _tests_since_mappings_checked[0] += 1
+  if _tests_since_mappings_checked[0] < CHECK_MAPPINGS_EVERY:
+    return
+  _tests_since_mappings_checked[0] = 0
   if memory_mappings() > MAX_MAPPINGS:
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+  """Freezes what survives the run, so the final collections skip it (see above)."""
+  del session
+  gc.collect()
+  gc.freeze()
 
 
 @pytest.fixture(scope='session')
