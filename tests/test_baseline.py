@@ -5,6 +5,8 @@ depend only on the current token) against a plain numpy rollout; `generate` on a
 is checked against a teacher-forced argmax rollout of the full forward pass.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,7 +186,8 @@ def test_prefill_in_one_step_equals_forcing_the_prompt_token_by_token(tiny_t5):
   inputs = jnp.array([[0, 7, 8, 9, 0, 0, 0, 0], [0, 4, 0, 0, 0, 0, 0, 0],
                       [0, 0, 0, 0, 0, 0, 0, 0]])
 
-  def decode(prefill: bool):
+  @functools.partial(jax.jit, static_argnums=0)  # One program each, encoder included.
+  def decode(prefill: bool, params):
     encoded = model.apply(params, encoder_tokens, method=T5.encode)
     cache = model.apply(params, encoded, encoder_tokens, 8, method=T5.init_cache)
     initial_index = None
@@ -194,12 +197,12 @@ def test_prefill_in_one_step_equals_forcing_the_prompt_token_by_token(tiny_t5):
     def tokens_to_logits(state):
       logits, cache = model.apply(params, state.cur_token, state.cache, method=T5.decode)
       return logits[:, 0], cache
-    decodes, _ = jax.jit(lambda c: baseline.temperature_sample(
-        inputs, c, tokens_to_logits, EOS, temperature=0.0, initial_index=initial_index,
-        max_decode_steps=4))(cache)
-    return np.asarray(decodes[:, 0])
+    decodes, _ = baseline.temperature_sample(
+        inputs, cache, tokens_to_logits, EOS, temperature=0.0, initial_index=initial_index,
+        max_decode_steps=4)
+    return decodes[:, 0]
 
-  forced, prefilled = decode(False), decode(True)
+  forced, prefilled = np.asarray(decode(False, params)), np.asarray(decode(True, params))
   np.testing.assert_array_equal(prefilled, forced)
   np.testing.assert_array_equal(forced[0, :3], [7, 8, 9])  # prompts kept
   assert forced[1, 0] == 4

@@ -8,6 +8,7 @@ the best EOS-terminated sequences of all, scored by teacher-forced log-probs ove
 brevity penalty, enumerated here in numpy.
 """
 
+import functools
 import itertools
 
 import jax
@@ -142,6 +143,12 @@ def tiny_model():
   return config, params, encoder_tokens
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _teacher_forced_log_probs(config, params, encoder_tokens, decoder_inputs):
+  logits = T5(config).apply(params, encoder_tokens, decoder_inputs)
+  return jax.nn.log_softmax(logits.astype(jnp.float32))
+
+
 def _enumerated_finished(config, params, encoder_tokens, alpha):
   """Every EOS-terminated sequence of <= LENGTH tokens with its score, per row."""
   sequences = [seq + (EOS,) for d in range(LENGTH)
@@ -150,9 +157,9 @@ def _enumerated_finished(config, params, encoder_tokens, alpha):
   decoder_inputs = np.pad(padded, ((0, 0), (1, 0)))[:, :LENGTH]  # start token 0
   result = []
   for row in range(encoder_tokens.shape[0]):
-    encoder = jnp.repeat(encoder_tokens[row:row + 1], len(sequences), axis=0)
-    logits = T5(config).apply(params, encoder, jnp.asarray(decoder_inputs))
-    log_probs = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)), np.float64)
+    encoder = np.repeat(np.asarray(encoder_tokens)[row:row + 1], len(sequences), axis=0)
+    log_probs = np.asarray(_teacher_forced_log_probs(config, params, encoder, decoder_inputs),
+                           np.float64)
     scores = []
     for i, seq in enumerate(sequences):
       total = sum(log_probs[i, position, token] for position, token in enumerate(seq))
@@ -189,12 +196,15 @@ def test_narrow_beam_on_t5_matches_generic_search_over_teacher_forced_logits(tin
                             max_decode_length=length)
   encoder = jnp.repeat(encoder_tokens, beams, axis=0)
 
-  def tokens_to_logits(state):
-    logits = T5(config).apply(params, encoder, state.sequences[:, :length])  # [b*k, L, v]
-    return jnp.take(logits, state.cur_index, axis=1), state.cache
+  @jax.jit  # One program (run op by op, the search compiled ~270 small ones).
+  def search(params):
+    def tokens_to_logits(state):
+      logits = T5(config).apply(params, encoder, state.sequences[:, :length])  # [b*k, L, v]
+      return jnp.take(logits, state.cur_index, axis=1), state.cache
 
-  with jax.disable_jit():
-    sequences, scores = bs.beam_search(np.zeros((2, length), np.int32), {}, tokens_to_logits,
-                                       EOS, num_decodes=beams, alpha=0.6)
+    return bs.beam_search(np.zeros((2, length), np.int32), {}, tokens_to_logits, EOS,
+                          num_decodes=beams, alpha=0.6)
+
+  sequences, scores = search(params)
   np.testing.assert_array_equal(output.tokens, sequences)
   np.testing.assert_allclose(output.scores, scores, rtol=1e-5)
