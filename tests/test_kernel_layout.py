@@ -96,15 +96,18 @@ def _forward_and_steps(params, encoder_tokens, decoder_tokens, *, name, num_step
   return encoded, full, jnp.concatenate(stepped, axis=1)
 
 
-# Each variant once, one with single-position steps and one with steps of several.
-@pytest.mark.parametrize('name, num_steps', [('test_tiny_1_1', 4), ('test_tiny_1_0', 1)])
-def test_model_computes_the_same_from_either_layout(name, num_steps):
+# Each variant once, one with single-position steps and one with steps of several
+# (two steps each of 4 positions; four of 1, each step a copy of the model in the
+# program, which the loop unrolls).
+@pytest.mark.parametrize('name, num_steps, length', [('test_tiny_1_1', 4, 8),
+                                                     ('test_tiny_1_0', 1, 4)])
+def test_model_computes_the_same_from_either_layout(name, num_steps, length):
   variables = {'params': _variables(name)['params']}
   transposed = kernel_layout.transposed_kernels(variables)
   rng = np.random.default_rng(0)
   # Encoder inputs longer than MAX_ROWS take the other contraction.
   encoder_tokens = jnp.asarray(rng.integers(2, 64, (2, MAX_ROWS + 4)), jnp.int32)
-  decoder_tokens = jnp.asarray(rng.integers(2, 64, (2, 8)), jnp.int32)
+  decoder_tokens = jnp.asarray(rng.integers(2, 64, (2, length)), jnp.int32)
   reference = _forward_and_steps(variables, encoder_tokens, decoder_tokens, name=name,
                                  num_steps=num_steps)
   result = _forward_and_steps(transposed, encoder_tokens, decoder_tokens, name=name,
@@ -116,26 +119,30 @@ def test_model_computes_the_same_from_either_layout(name, num_steps):
 
 
 def test_speculative_on_transposed_trees_equals_baseline_on_t5x_trees():
+  # The runs on T5X trees have the shapes and settings of tests/test_speculative.py's
+  # greedy baseline and sampled run (8 rows of 10 tokens, 16 decoded, gamma 3, variables
+  # with their axes, rows stopped at non-finite logits but not raised): one program each
+  # for both files.
   target_config, draft_config = get_config('test_tiny_1_1'), get_config('test_tiny_1_0')
-  target = {'params': _variables('test_tiny_1_1')['params']}
-  draft = {'params': init_params(draft_config, jax.random.PRNGKey(5))['params']}
+  target = _variables('test_tiny_1_1')
+  draft = init_params(draft_config, jax.random.PRNGKey(5))
   rng = np.random.default_rng(1)
-  encoder_tokens = jnp.asarray(rng.integers(2, 64, (4, 6)), jnp.int32)
-  keys = jax.random.split(jax.random.PRNGKey(7), 4)
+  encoder_tokens = rng.integers(2, 64, (8, 10)).astype(np.int32)
+  keys = jax.random.split(jax.random.PRNGKey(7), 8)
   spec = dict(target_config=target_config, drafter=T5Drafter(draft_config),
-              spec=SpeculativeConfig(gamma=4), max_decode_length=12)
+              spec=SpeculativeConfig(gamma=3), max_decode_length=16)
   greedy = SamplingConfig(temperature=0.0)
-  baseline = generate(target, encoder_tokens, config=target_config, max_decode_length=12,
-                      sampling=greedy)
+  baseline = generate(target, encoder_tokens, config=target_config, max_decode_length=16)
   fast = speculative_generate(kernel_layout.transposed_kernels(target),
                               kernel_layout.transposed_kernels(draft), encoder_tokens, keys,
                               sampling=greedy, **spec)
   np.testing.assert_array_equal(fast.output.tokens, baseline.tokens)
-  sampled = SamplingConfig(temperature=1.0)
-  plain = speculative_generate(target, draft, encoder_tokens, keys, sampling=sampled, **spec)
+  sampled = dict(sampling=SamplingConfig(temperature=1.0), on_nonfinite='ignore', **spec)
+  plain = speculative_generate(target, draft, encoder_tokens, keys, **sampled)
   transposed = speculative_generate(kernel_layout.transposed_kernels(target),
                                     kernel_layout.transposed_kernels(draft), encoder_tokens,
-                                    keys, sampling=sampled, **spec)
+                                    keys, **sampled)
+  assert not np.asarray(plain.output.nonfinite_logits).any()
   np.testing.assert_array_equal(transposed.output.tokens, plain.output.tokens)
 
 
