@@ -51,10 +51,15 @@ def _softmax(x):
   return e / e.sum(axis=-1, keepdims=True)
 
 
+@jax.jit
+def _teacher_forced_logits(params, encoder_tokens, decoder_inputs):
+  return T5(CONFIG).apply(params, encoder_tokens, decoder_inputs)
+
+
 def _target_probs(params, encoder_tokens, tokens):
   """The target's softmax at every prefix of tokens, from one full forward pass."""
   decoder_inputs = np.pad(tokens, ((0, 0), (1, 0)))[:, :-1]
-  return _softmax(T5(CONFIG).apply(params, encoder_tokens, decoder_inputs))
+  return _softmax(_teacher_forced_logits(params, encoder_tokens, decoder_inputs))
 
 
 @pytest.mark.parametrize('sampling', [GREEDY, SAMPLED])
@@ -171,13 +176,22 @@ def test_unigram_alpha_uses_its_one_distribution(params, encoder_tokens):
 def test_timed_decode_loop_runs_every_step(params, encoder_tokens):
   """The loop whose slope is the step time really decodes num_steps times."""
   model = T5(CONFIG)
-  encoded = model.apply(params, encoder_tokens[:1], method=T5.encode)
-  cache = model.apply(params, encoded, encoder_tokens[:1], 12, method=T5.init_cache)
+
+  @jax.jit  # The reference steps, each as a program of its own (not op by op).
+  def empty_cache(params, encoder_tokens):
+    encoded = model.apply(params, encoder_tokens, method=T5.encode)
+    return model.apply(params, encoded, encoder_tokens, 12, method=T5.init_cache)
+
+  @jax.jit
+  def step(params, tokens, cache, end_index):
+    cache = cache.replace(end_index=jnp.full((1,), end_index, jnp.int32))
+    logits, cache = model.apply(params, tokens, cache, method=T5.decode)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+  cache = empty_cache(params, encoder_tokens[:1])
   tokens = jnp.ones((1, 3), jnp.int32)
   for i in range(5):
-    cache = cache.replace(end_index=jnp.array([i % 10], jnp.int32))
-    logits, cache = model.apply(params, tokens, cache, method=T5.decode)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens, cache = step(params, tokens, cache, i % 10)
   looped = measure._decode_steps(params, encoder_tokens[:1], 5, config=CONFIG,  # pylint: disable=protected-access
                                  tokens_per_step=3, cache_length=12)
   np.testing.assert_array_equal(np.asarray(looped), np.asarray(tokens))
