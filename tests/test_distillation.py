@@ -200,7 +200,7 @@ def test_on_policy_batch_decodes_with_the_right_model_and_temperature(tiny_pair)
     np.testing.assert_array_equal(batch['inputs'], inputs)
   # Independent of generate: greedy targets are the teacher's teacher-forced argmax.
   greedy = batches['target_greedy']
-  logits = T5(TEACHER).apply({'params': teacher}, inputs, greedy['decoder_inputs'])
+  logits = jax.jit(T5(TEACHER).apply)({'params': teacher}, inputs, greedy['decoder_inputs'])
   np.testing.assert_array_equal(np.where(greedy['mask'], np.argmax(logits, -1), 0),
                                 greedy['targets'])
   # The sources really differ (different models, or sampled against greedy).

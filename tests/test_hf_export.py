@@ -116,7 +116,8 @@ def test_transformers_logits_equal_ours(exported):
   config, params, directory = exported
   model = transformers.T5ForConditionalGeneration.from_pretrained(directory).eval()
   encoder_tokens, decoder_tokens = make_inputs(config.vocab_size)
-  ours = T5(config).apply({'params': params}, encoder_tokens, decoder_tokens)  # [b, t, v]
+  ours = jax.jit(T5(config).apply)({'params': params}, encoder_tokens,
+                                   decoder_tokens)  # [b, t, v]
   np.testing.assert_allclose(np.asarray(ours), hf_logits(model, encoder_tokens, decoder_tokens),
                              atol=ATOL, rtol=0)
 

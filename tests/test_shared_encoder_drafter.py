@@ -101,8 +101,8 @@ def test_target_decoder_draft_computes_the_target_logits():
 def test_projection_feeds_the_cross_attention():
   params = _narrow_params()
   tokens = spec_tests._encoder_tokens()
-  encoded = np.asarray(T5(TARGET).apply(spec_tests._target_params(), tokens,
-                                        method=T5.encode))  # [b, s, 32]
+  encoded = np.asarray(jax.jit(functools.partial(T5(TARGET).apply, method=T5.encode))(
+      spec_tests._target_params(), tokens))  # [b, s, 32]
   cache = SharedEncoderDrafter(NARROW, TARGET.emb_dim).init_state_from_target(
       params, tokens, encoded, 20)
   tree = params['params']

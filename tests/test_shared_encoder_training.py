@@ -54,16 +54,17 @@ def test_target_encoding_and_distillation_loss():
   encoded, teacher_logits = jax.jit(functools.partial(
       shared_encoder_training.target_encoding, target_config=TARGET, with_logits=True))(
           target_params, batch)
+  encode = jax.jit(functools.partial(T5(TARGET).apply, method=T5.encode))
+  np.testing.assert_allclose(encoded, encode(target_params, batch['inputs']),
+                             rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(
-      encoded, T5(TARGET).apply(target_params, batch['inputs'], method=T5.encode),
-      rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(
-      teacher_logits, T5(TARGET).apply(target_params, batch['inputs'], batch['decoder_inputs']),
+      teacher_logits,
+      jax.jit(T5(TARGET).apply)(target_params, batch['inputs'], batch['decoder_inputs']),
       rtol=1e-5, atol=1e-5)
 
   loss_config = training.LossConfig(z_loss=0.0, distill_weight=1.0)
   optimizer = training.make_optimizer(training.OptimizerConfig(), 10)
-  draft_logits = draft_model.SharedEncoderDraft(DRAFT, TARGET.emb_dim).apply(
+  draft_logits = jax.jit(draft_model.SharedEncoderDraft(DRAFT, TARGET.emb_dim).apply)(
       draft_params, encoded, batch['inputs'], batch['decoder_inputs'])
   _, _, metrics = shared_encoder_training.train_step(
       dict(draft_params['params']), optimizer.init(draft_params['params']), batch,
