@@ -52,7 +52,7 @@ from jaxspec.config import T5Config
 from jaxspec.data import corpora
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.beam_search import BeamConfig, generate_beam
-from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter,
+from jaxspec.decoding.drafters import (BigramDrafter, Int8Drafter, PromptLookupDrafter,
                                        SharedEncoderDrafterWithTarget, T5Drafter,
                                        UnigramDrafter)
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
@@ -73,6 +73,12 @@ def machine_description() -> dict:
   return {'device': device.device_kind, 'platform': device.platform, 'cpu': measure.cpu_model(),
           'cpu_count': os.cpu_count(), 'jax': jax.__version__,
           'date': time.strftime('%Y-%m-%d')}
+
+
+def shared_encoder_label(name: str, drafter) -> str:
+  """How the tables name a draft of benchmark.shared_encoder_drafts: 'int8 <name>' for
+  an Int8Drafter (the target's decoder in int8), else 'shared encoder <name>'."""
+  return f'int8 {name}' if isinstance(drafter, Int8Drafter) else f'shared encoder {name}'
 
 
 class Setup:
@@ -104,13 +110,15 @@ class Setup:
                                           max_decode_length)
         for name, drafter in self.drafters.items()}
     # Encoder-sharing drafts run stand-alone here (alpha and proposal times outside
-    # speculative decoding), so their params carry the target's for its encoder.
+    # speculative decoding), so their params carry the target's for its encoder; an
+    # int8 draft is made from the target's params.
     for name, drafter in (shared_encoder_drafts or {}).items():
-      self.drafters[f'shared encoder {name}'] = SharedEncoderDrafterWithTarget(
-          drafter, target_model)
-      self.drafter_params[f'shared encoder {name}'] = {
+      label = shared_encoder_label(name, drafter)
+      self.drafters[label] = SharedEncoderDrafterWithTarget(drafter, target_model)
+      self.drafter_params[label] = {
           'draft': infer_script.drafter_params(drafter, draft_checkpoints.get(name), task,
-                                               vocab, max_decode_length),
+                                               vocab, max_decode_length,
+                                               target_params=self.target_params),
           'target': self.target_params}
 
   def keys(self, rows, seed=0):
@@ -526,7 +534,8 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
   adaptive / multi-draft verification, k branches for each k in options_num_drafts, for
   the sweep drafter, on the first options_examples test examples, `repeats` times).
   shared_encoder_drafts: name -> SharedEncoderDrafter, its checkpoint in
-  draft_checkpoints[name]; reported as 'shared encoder <name>'.
+  draft_checkpoints[name]; reported as 'shared encoder <name>'; or an Int8Drafter (no
+  checkpoint: made from the target's), reported as 'int8 <name>'.
   beam, speculative_beam, beam_drafter, beam_examples: the 'beam' section (not run by
   default): beam search with `beam` against speculative beam search with
   `speculative_beam` and the T5 draft beam_drafter ('t5 <name>'; default the last T5
@@ -545,7 +554,7 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
                 shared_encoder_drafts)
   walltime_drafters = list(walltime_drafters or (
       [f't5 {n}' for n in t5_drafts]
-      + [f'shared encoder {n}' for n in shared_encoder_drafts or {}]))
+      + [shared_encoder_label(n, d) for n, d in (shared_encoder_drafts or {}).items()]))
   sweep_drafter = sweep_drafter or walltime_drafters[-1]
   results = {'task': task, 'target': target_name, 'machine': machine_description(),
              'compute_dtype': target_model.dtype, 'input_length': input_length,

@@ -1,5 +1,6 @@
 """jaxspec.benchmark against independent computations, and scripts/benchmark.py end to end."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -18,8 +19,8 @@ from jaxspec.decoding import baseline
 from jaxspec.decoding.beam_search import BeamOutput
 from jaxspec.decoding.speculative_beam import SpeculativeBeamOutput, SpeculativeBeamStats
 from jaxspec.decoding.drafter import DraftContext
-from jaxspec.decoding.drafters import (BigramDrafter, PromptLookupDrafter, T5Drafter,
-                                       UnigramDrafter)
+from jaxspec.decoding.drafters import (BigramDrafter, Int8Drafter, PromptLookupDrafter,
+                                       T5Drafter, UnigramDrafter)
 from jaxspec.model import T5, init_params
 from jaxspec.sampling import SamplingConfig
 
@@ -311,6 +312,23 @@ def test_benchmark_script_writes_every_table(tmp_path, _unlocked_gin):
   np.testing.assert_array_equal(setup.alpha_inputs[:len(setup.inputs)], setup.inputs)
   with pytest.raises(ValueError, match='held out'):
     benchmark_script.benchmark(alpha_splits=('test', 'train'))
+
+
+def test_benchmark_runs_the_int8_draft_made_from_the_target(tmp_path):
+  """configs/benchmark/ende45m_int8.gin's route on the TINY target: an Int8Drafter among
+  shared_encoder_drafts, named 'int8 <name>', made from the target's params (no
+  checkpoint), decodes greedily as the baseline does."""
+  target = dataclasses.replace(get_config('test_tiny_1_1'), vocab_size=8000)  # the corpus'
+  save_t5x_checkpoint(tmp_path / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
+  drafter = Int8Drafter(target)
+  assert benchmark_script.shared_encoder_label('decoder', drafter) == 'int8 decoder'
+  setup = benchmark_script.Setup('ende', target, f'{tmp_path}/target', {}, {}, (), 16, 6,
+                                 shared_encoder_drafts={'decoder': drafter})
+  assert list(setup.drafters) == ['int8 decoder']
+  rows = np.arange(2)
+  greedy = SamplingConfig()
+  speculative = setup.speculative(rows, greedy, 'int8 decoder', 2)
+  np.testing.assert_array_equal(speculative.output.tokens, setup.baseline(rows, greedy).tokens)
 
 
 def test_benchmark_beam_rows_compare_beam_and_speculative_beam(tmp_path, _unlocked_gin):

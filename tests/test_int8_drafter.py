@@ -12,11 +12,13 @@ import pytest
 
 from jaxspec.config import get_config
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafters import Int8Drafter
+from jaxspec.decoding.drafter import init_drafter_state
+from jaxspec.decoding.drafters import (Int8Drafter, SharedEncoderDrafter,
+                                       SharedEncoderDrafterWithTarget)
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.model import T5, init_params, kernel_layout
 from jaxspec.model.quantization import dequantize_rows, int8_decoder, quantize_rows
-from jaxspec.model.shared_encoder_draft import SharedEncoderDraft
+from jaxspec.model.shared_encoder_draft import SharedEncoderDraft, from_target_decoder
 from jaxspec.sampling import SamplingConfig
 
 CONFIG = get_config('test_tiny_1_1')
@@ -102,6 +104,30 @@ def test_the_int8_draft_tracks_the_target_decoder():
   spread = float(jnp.std(target_logits))
   assert float(jnp.max(jnp.abs(draft_logits - target_logits))) < 0.1 * spread
   assert float(jnp.max(jnp.abs(draft_logits - target_logits))) > 0  # int8, not a copy
+
+
+def test_stand_alone_wrapper_shares_the_target_cache_only_for_the_int8_draft():
+  """SharedEncoderDrafterWithTarget (the benchmark's stand-alone drafters) passes the
+  target's cross cache on to an int8 draft and falls back to the encoding otherwise."""
+  target, tokens = _target(), jnp.asarray(_encoder_tokens())
+  model = T5(CONFIG)
+  encoded = model.apply(target, tokens, method=T5.encode)
+  target_cache = model.apply(target, encoded, tokens, 6, method=T5.init_cache)
+  int8 = SharedEncoderDrafterWithTarget(Int8Drafter(CONFIG), CONFIG)
+  params = {'draft': Int8Drafter.draft_params(target), 'target': target}
+  # Marked cross keys: only a state taken from the cache carries them.
+  marked = target_cache.replace(layers=tuple(
+      layer.replace(cross_keys=layer.cross_keys + 1.0) for layer in target_cache.layers))
+  shared = init_drafter_state(int8, params, tokens, encoded, 9, marked)
+  for mine, theirs in zip(shared.layers, marked.layers):
+    np.testing.assert_array_equal(mine.cross_keys, theirs.cross_keys)
+  # A trained encoder-sharing draft has its own cross projections: no cache to share.
+  plain = SharedEncoderDrafterWithTarget(SharedEncoderDrafter(CONFIG, CONFIG.emb_dim), CONFIG)
+  assert plain.init_state_from_target_cache is None
+  plain_params = {'draft': from_target_decoder(target), 'target': target}
+  state = init_drafter_state(plain, plain_params, tokens, encoded, 9, target_cache)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, state,
+                         plain.init_state_from_target(plain_params, tokens, encoded, 9))
 
 
 @pytest.mark.parametrize('gamma', [1, 4])

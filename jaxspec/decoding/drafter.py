@@ -16,8 +16,9 @@ itself also defines `init_state_from_target(params, encoder_tokens, target_encod
 max_length)`; speculative decoding then calls it (through `init_drafter_state`) with
 the encoding the target already computed, in place of `init_state`. A drafter whose
 cross-attention keys/values are the target's own (the int8 draft) defines
-`init_state_from_target_cache(params, target_cache, max_length)` instead, and reuses
-the target's cross-attention cache rather than projecting the encoding again.
+`init_state_from_target_cache(params, target_cache, max_length)` instead (None where a
+wrapper's drafter has none), and reuses the target's cross-attention cache rather than
+projecting the encoding again.
 
 A drafter may also define `propose_top_branches(params, state, context, gamma,
 num_branches)` -> tokens [b, k, gamma], q [b, k, gamma, v], state of the branches
@@ -82,8 +83,9 @@ def init_drafter_state(drafter: Drafter, params, encoder_tokens, target_encoded,
   encoder output, used by drafters that define `init_state_from_target`, and
   target_cache the target's DecoderCache, by drafters that define
   `init_state_from_target_cache`."""
-  if target_cache is not None and hasattr(drafter, 'init_state_from_target_cache'):
-    return drafter.init_state_from_target_cache(params, target_cache, max_length)
+  from_cache = getattr(drafter, 'init_state_from_target_cache', None)
+  if target_cache is not None and from_cache is not None:
+    return from_cache(params, target_cache, max_length)
   if hasattr(drafter, 'init_state_from_target'):
     return drafter.init_state_from_target(params, encoder_tokens, target_encoded, max_length)
   return drafter.init_state(params, encoder_tokens, max_length)

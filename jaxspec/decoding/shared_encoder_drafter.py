@@ -99,6 +99,15 @@ class SharedEncoderDrafterWithTarget:
     return self.drafter.init_state_from_target(params['draft'], encoder_tokens,
                                                target_encoded, max_length)
 
+  @property
+  def init_state_from_target_cache(self):
+    """The drafter's own, reading params['draft'], where it shares the target's
+    cross-attention cache (the int8 draft); None otherwise."""
+    if not hasattr(self.drafter, 'init_state_from_target_cache'):
+      return None
+    return lambda params, target_cache, max_length: (  # noqa: E731
+        self.drafter.init_state_from_target_cache(params['draft'], target_cache, max_length))
+
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys):
     return self.drafter.propose(params['draft'], state, context, gamma, sampling, keys)
