@@ -284,23 +284,36 @@ void SplitOverHelpers(const ffi::ThreadPool& pool, int64_t out, const OutputRang
   });
 }
 
-// Splits the outputs into parts claimed from a shared counter by the calling thread and
-// by tasks on XLA's intra-op pool. A task that starts after every part is claimed does
-// nothing, so the call never waits on a thread that is busy elsewhere.
+// Runs outputs(begin, end) over [0, out): in one part when out is small, else in one
+// part per thread (multiples of 8 outputs, at least kOutputsPerTask each) on the kernel's
+// helpers, or with JAXSPEC_KERNEL_THREADS=pool on parts claimed from a shared counter by
+// the calling thread and by tasks on XLA's intra-op pool. A pool task that starts after
+// every part is claimed does nothing (never touches `outputs`), so the call never waits
+// on a thread that is busy elsewhere.
 struct Parts {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
 };
 
-void RunParts(const std::shared_ptr<Parts>& parts, int64_t num_parts, const float* x,
-              const float* w, float* y, int64_t rows, int64_t in, int64_t out) {
+template <typename OutputRange>
+void SplitOutputs(ffi::ThreadPool& pool, int64_t out, const OutputRange& outputs) {
+  const int64_t num_parts =
+      std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / kOutputsPerTask));
+  if (num_parts == 1) return outputs(0, out);
+  if (UseSpinPool()) return SplitOverHelpers(pool, out, outputs);
+  auto parts = std::make_shared<Parts>();
   const int64_t per_part = (out / num_parts + 7) / 8 * 8;
-  for (int64_t p; (p = parts->next.fetch_add(1)) < num_parts;) {
-    const int64_t begin = std::min(out, p * per_part);
-    const int64_t end = p + 1 == num_parts ? out : std::min(out, begin + per_part);
-    Outputs(x, w, y, rows, in, out, begin, end);
-    parts->finished.fetch_add(1, std::memory_order_release);
-  }
+  auto run = [parts, num_parts, per_part, out, &outputs]() {
+    for (int64_t p; (p = parts->next.fetch_add(1)) < num_parts;) {
+      const int64_t begin = std::min(out, p * per_part);
+      const int64_t end = p + 1 == num_parts ? out : std::min(out, begin + per_part);
+      outputs(begin, end);
+      parts->finished.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < num_parts; ++t) pool.Schedule([run]() { run(); });
+  run();
+  while (parts->finished.load(std::memory_order_acquire) < num_parts) _mm_pause();
 }
 
 // The rows of x [..., in] (x_count elements) against w [out, in]; an error unless x's
@@ -330,24 +343,9 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     std::fill(yp, yp + rows * out, 0.0f);
     return ffi::Error::Success();
   }
-  // One part for the calling thread and one for each other thread of the pool.
-  const int64_t num_parts =
-      std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / kOutputsPerTask));
-  if (num_parts == 1) {
-    Outputs(xp, wp, yp, rows, in, out, 0, out);
-    return ffi::Error::Success();
-  }
-  if (UseSpinPool()) {
-    SplitOverHelpers(pool, out, [&](int64_t begin, int64_t end) {
-      Outputs(xp, wp, yp, rows, in, out, begin, end);
-    });
-    return ffi::Error::Success();
-  }
-  auto parts = std::make_shared<Parts>();
-  for (int64_t t = 1; t < num_parts; ++t)
-    pool.Schedule([=]() { RunParts(parts, num_parts, xp, wp, yp, rows, in, out); });
-  RunParts(parts, num_parts, xp, wp, yp, rows, in, out);
-  while (parts->finished.load(std::memory_order_acquire) < num_parts) _mm_pause();
+  SplitOutputs(pool, out, [&](int64_t begin, int64_t end) {
+    Outputs(xp, wp, yp, rows, in, out, begin, end);
+  });
   return ffi::Error::Success();
 }
 
@@ -540,31 +538,9 @@ ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   QuantizeRows(x.typed_data(), rows, in, xq);
   const int8_t* wp = w.typed_data();
   const float* sp = scale.typed_data();
-  const int64_t num_parts =
-      std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / kOutputsPerTask));
-  if (num_parts == 1) {
-    Int8Outputs(*xq, wp, sp, yp, rows, in, out, 0, out);
-    return ffi::Error::Success();
-  }
-  if (UseSpinPool()) {
-    SplitOverHelpers(pool, out, [&](int64_t begin, int64_t end) {
-      Int8Outputs(*xq, wp, sp, yp, rows, in, out, begin, end);
-    });
-    return ffi::Error::Success();
-  }
-  auto parts = std::make_shared<Parts>();
-  auto run = [=]() {
-    const int64_t per_part = (out / num_parts + 7) / 8 * 8;
-    for (int64_t p; (p = parts->next.fetch_add(1)) < num_parts;) {
-      const int64_t begin = std::min(out, p * per_part);
-      const int64_t end = p + 1 == num_parts ? out : std::min(out, begin + per_part);
-      Int8Outputs(*xq, wp, sp, yp, rows, in, out, begin, end);
-      parts->finished.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < num_parts; ++t) pool.Schedule([run]() { run(); });
-  run();
-  while (parts->finished.load(std::memory_order_acquire) < num_parts) _mm_pause();
+  SplitOutputs(pool, out, [&](int64_t begin, int64_t end) {
+    Int8Outputs(*xq, wp, sp, yp, rows, in, out, begin, end);
+  });
   return ffi::Error::Success();
 }
 
