@@ -644,10 +644,14 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   def row_keys(indices):  # A row's samples depend on its example, not its batch.
     return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, np.asarray(indices))
 
+  def padded(indices):  # A short last batch repeats its last example.
+    return list(indices) + [indices[-1]] * (batch_size - len(indices))
+
+  def batch_tokens(indices):  # [batch_size, the bucket that holds the batch]
+    return inference.trim_to_bucket(inputs[padded(indices)], input_length_buckets)
+
   def pad_batch(indices):
-    indices = list(indices) + [indices[-1]] * (batch_size - len(indices))
-    tokens = inference.trim_to_bucket(inputs[indices], input_length_buckets)
-    batch = tokens, row_keys(indices)
+    batch = batch_tokens(indices), row_keys(padded(indices))
     return tuple(map(partitioner.shard_batch, batch)) if partitioner else batch
 
   decode_fns = {
@@ -685,7 +689,7 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   # other keeps each one's compiled program hot.
   for position, name in enumerate(decoders):
     _run_decoder(name, decode_fns[name], batches, examples, vocab, writers[name], position,
-                 fingerprint, lambda idx: pad_batch(idx)[0].shape)
+                 fingerprint, lambda idx: batch_tokens(idx).shape)
   if view_examples and 'speculative' in decoders:
     traced = lambda idx: speculative_generate(  # noqa: E731
         target_params, params, *pad_batch(idx), target_config=target_model,
