@@ -44,6 +44,11 @@ def _parse_args(argv):
   parser.add_argument('--gamma', type=int, default=3, help='draft tokens per proposal')
   parser.add_argument('--repeats', type=int, default=15)
   parser.add_argument('--steps_per_call', type=int, default=10)
+  defaults = step_costs.StepCostSetup()
+  parser.add_argument('--source_length', type=int, default=defaults.source_length)
+  parser.add_argument('--cache_position', type=int, default=defaults.cache_position,
+                      help='decoder positions already in the cache when a step runs')
+  parser.add_argument('--cache_length', type=int, default=defaults.cache_length)
   parser.add_argument('--out', default='results/step_costs')
   return parser.parse_args(argv)
 
@@ -70,7 +75,10 @@ def _parameter_count(name: str) -> int:
 
 
 def measure(args) -> dict:
-  setup = step_costs.StepCostSetup(repeats=args.repeats, steps_per_call=args.steps_per_call)
+  setup = step_costs.StepCostSetup(
+      repeats=args.repeats, steps_per_call=args.steps_per_call,
+      source_length=args.source_length, cache_position=args.cache_position,
+      cache_length=args.cache_length)
   positions = [int(k) for k in _names(args.positions)]
   roofline = step_costs.machine_roofline()
   targets = {}
