@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -100,13 +101,24 @@ GAMMA = 2
                    f"infer.output_dir = '{tmp_path}/out'\n")
 
 
-@pytest.fixture
-def tiny_checkpoints(tmp_path):
-  _parse(tmp_path, _infer_config(tmp_path))
+@pytest.fixture(scope='module')
+def _tiny_checkpoint_files(tmp_path_factory):
+  """Random target and draft checkpoints of _infer_config's models, written once."""
+  directory = tmp_path_factory.mktemp('tiny_checkpoints')
+  _parse(directory, _infer_config(directory))
   target = gin.query_parameter('infer.target_model').scoped_configurable_fn()
   draft = gin.query_parameter('jaxspec.T5Drafter.config').scoped_configurable_fn()
-  save_t5x_checkpoint(tmp_path / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
-  save_t5x_checkpoint(tmp_path / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
+  gin.clear_config()
+  save_t5x_checkpoint(directory / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
+  save_t5x_checkpoint(directory / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
+  return directory
+
+
+@pytest.fixture
+def tiny_checkpoints(tmp_path, _tiny_checkpoint_files):
+  """tmp_path holding a copy of the tiny checkpoints (target/, draft/)."""
+  for name in ('target', 'draft'):
+    shutil.copytree(_tiny_checkpoint_files / name, tmp_path / name)
   return tmp_path
 
 
@@ -241,18 +253,22 @@ def _infer_command(config, out_dir):
           f"--gin.infer.output_dir='{out_dir}'"]
 
 
-def _subprocess_env(tmp_path):
-  """One persistent compilation cache, so only the first process compiles."""
-  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu',
-              JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'jax_cache'),
-              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+def _subprocess_env():
+  """The suite's persistent compilation cache (tests/conftest.py), which the
+  uninterrupted run in this process fills: the launcher processes load its programs."""
+  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
 
 
 def _run_to_completion(command, env, log):
   with open(log, 'ab') as stderr:
     subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
                    check=True, timeout=600)
+
+
+def _run_in_this_process(command):
+  """What the launcher `command` (scripts/infer.py and its flags) runs, run here."""
+  gin.clear_config()
+  infer_script.main(command[2:])
 
 
 def _lines_on_disk(out_dir):
@@ -286,8 +302,9 @@ def test_infer_killed_and_restarted_writes_what_an_uninterrupted_run_writes(tiny
   tmp_path = tiny_checkpoints
   config = tmp_path / 'subprocess.gin'
   config.write_text(_infer_config(tmp_path))
-  env, log = _subprocess_env(tmp_path), tmp_path / 'stderr.log'
-  _run_to_completion(_infer_command(config, tmp_path / 'straight'), env, log)
+  env, log = _subprocess_env(), tmp_path / 'stderr.log'
+  # The uninterrupted run, here: it compiles the programs every launcher below loads.
+  _run_in_this_process(_infer_command(config, tmp_path / 'straight'))
   seed = random.randrange(2**32)
   total = len(DECODERS) * INTERRUPTED_EXAMPLES
   # One output directory: the run is stopped by SIGTERM, the restarted run (resuming
