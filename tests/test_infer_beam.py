@@ -5,6 +5,7 @@ before any model is loaded."""
 
 import json
 import os
+import shutil
 import sys
 
 import gin
@@ -56,13 +57,27 @@ def _parse(tmp_path, bindings=()):
   gin_flags.parse([f'--gin_file={path}'] + [f'--gin.{b}' for b in bindings])
 
 
-@pytest.fixture
-def tiny_checkpoints(tmp_path):
-  _parse(tmp_path)
+@pytest.fixture(scope='module')
+def _tiny_checkpoint_files(tmp_path_factory):
+  """Random target and draft checkpoints of _config's models, written once."""
+  directory = tmp_path_factory.mktemp('tiny_checkpoints')
+  _parse(directory)
   target = gin.query_parameter('infer.target_model').scoped_configurable_fn()
   draft = gin.query_parameter('jaxspec.T5Drafter.config').scoped_configurable_fn()
-  save_t5x_checkpoint(tmp_path / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
-  save_t5x_checkpoint(tmp_path / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
+  gin.clear_config()
+  save_t5x_checkpoint(directory / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
+  save_t5x_checkpoint(directory / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
+  return directory
+
+
+@pytest.fixture
+def tiny_checkpoints(tmp_path, _tiny_checkpoint_files):
+  """(tmp_path holding a copy of the tiny checkpoints, the target's config), with
+  _config(tmp_path) parsed."""
+  for name in ('target', 'draft'):
+    shutil.copytree(_tiny_checkpoint_files / name, tmp_path / name)
+  _parse(tmp_path)
+  target = gin.query_parameter('infer.target_model').scoped_configurable_fn()
   yield tmp_path, target
   gin.clear_config()
 
