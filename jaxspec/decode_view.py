@@ -6,8 +6,8 @@ Input is one row of a SpeculativeTrace (speculative_generate(..., record_trace=T
 Per iteration: the accepted drafts, then the drafts the target rejected (the first
 rejected one and the drafts after it, all discarded), then the target's token: the
 correction drawn from the residual after a rejection, or the bonus token after a fully
-accepted proposal. Iteration 0 is the target's own first step (no drafts; its token is
-shown as a bonus). Tokens cut by EOS or the length limit were never output and are
+accepted proposal. Iteration 0 is the first proposal, after the start token alone
+(the target draws no token without drafts). Tokens cut by EOS or the length limit were never output and are
 left out, so the accepted, corrected and bonus tokens in order are the output.
 Nothing here runs a model; scripts/show.py and scripts/infer.py (infer.view_examples)
 render real decodes.
@@ -48,7 +48,7 @@ class Span:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-  iteration: int  # 0 is the first-token step.
+  iteration: int  # 0 is the first proposal (after the start token alone).
   spans: tuple[Span, ...]
 
 

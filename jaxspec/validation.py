@@ -73,12 +73,12 @@ def check_max_decode_length(max_decode_length: int):
 
 
 def check_gamma(gamma: int, max_decode_length: int):
-  """gamma drafts must fit the output: at most max_decode_length - 1 follow the first token."""
+  """A proposal must fit the output: one target call commits up to gamma + 1 tokens."""
   if gamma >= max_decode_length:
     raise ValueError(
-        f'gamma {gamma} is larger than the decode buffer allows: with max_decode_length '
-        f'{max_decode_length} at most {max_decode_length - 1} tokens follow the first one, '
-        'so use gamma <= max_decode_length - 1')
+        f'gamma {gamma} is larger than the decode buffer allows: a target call commits up '
+        f'to gamma + 1 tokens and max_decode_length is {max_decode_length}, so use '
+        f'gamma <= {max_decode_length - 1}')
 
 
 def check_nonfinite_action(action: str):

@@ -88,7 +88,7 @@ def _real_decode():
   return speculative_generate(
       init_params(target, jax.random.PRNGKey(2)), init_params(draft, jax.random.PRNGKey(1)),
       encoder_tokens, jax.random.PRNGKey(3), target_config=target, drafter=T5Drafter(draft),
-      spec=SpeculativeConfig(gamma=3, verification='block'), max_decode_length=12,
+      spec=SpeculativeConfig(gamma=2, verification='block'), max_decode_length=12,
       sampling=SamplingConfig(temperature=1.0), record_trace=True)
 
 

@@ -128,16 +128,16 @@ def _check_stats(result, gamma):
   batch = lengths.shape[0]
   # The loop runs while some row is active, so the longest-running row saw every call.
   assert int(stats.target_calls) == row_calls.max()
-  assert int(stats.draft_calls) == (int(stats.target_calls) - 1) * gamma
-  # One verdict per (row, iteration) with the row active; the first-token step has none.
-  assert counts.sum() == row_calls.sum() - batch
+  assert int(stats.draft_calls) == int(stats.target_calls) * gamma
+  # One verdict per (row, iteration) with the row active: no step decodes without drafts.
+  assert counts.sum() == row_calls.sum()
   # Draft i is accepted exactly when n > i; positions 0..min(n, g-1) are verified.
   np.testing.assert_array_equal(accepted, [counts[i + 1:].sum() for i in range(gamma)])
   assert int(stats.verified_positions) == sum(
       min(n + 1, gamma) * counts[n] for n in range(gamma + 1))
-  # Every active call commits 1..g+1 tokens (the first-token step exactly 1).
+  # Every active call commits 1..g+1 tokens, the first call included.
   assert np.all(lengths >= row_calls)
-  assert np.all(lengths <= 1 + (row_calls - 1) * (gamma + 1))
+  assert np.all(lengths <= row_calls * (gamma + 1))
   tokens_per_call = float(stats.tokens_per_target_call(result.output.lengths))
   assert 1.0 <= tokens_per_call <= gamma + 1
   assert 0.0 <= float(stats.alpha) <= 1.0
@@ -191,11 +191,11 @@ def test_greedy_self_draft_accepts_every_draft(gamma):
   assert float(stats.alpha) == 1.0
   np.testing.assert_array_equal(stats.num_accepted_counts[:gamma], 0)
   assert int(stats.num_accepted_counts[gamma]) > 0
-  # Each call commits gamma + 1 tokens after the first-token step, up to EOS or the end.
+  # Each call commits gamma + 1 tokens, the first included, up to EOS or the end.
   lengths = np.asarray(result.output.lengths)
-  expected_calls = 1 + np.ceil((lengths - 1) / (gamma + 1)).astype(int)
+  expected_calls = np.ceil(lengths / (gamma + 1)).astype(int)
   np.testing.assert_array_equal(stats.row_target_calls, expected_calls)
-  assert int(stats.target_calls) == 1 + math.ceil((MAX_LEN - 1) / (gamma + 1))
+  assert int(stats.target_calls) == math.ceil(MAX_LEN / (gamma + 1))
 
 
 @pytest.mark.parametrize('gamma', GREEDY_GAMMAS)
@@ -732,12 +732,11 @@ def test_nan_target_rows_stop_where_the_baseline_stops(gamma):
 
 def test_nan_drafter_is_reported_not_accepted():
   # A NaN q passes the accept test (u >= NaN is False); the rows must stop instead.
-  clean, broken = _sampled_tiny_run(), _sampled_tiny_run('nan')
-  first = np.asarray(clean.output.tokens)[:, 0]
-  np.testing.assert_array_equal(broken.output.tokens[:, 0], first)  # Drawn by the target.
-  np.testing.assert_array_equal(broken.output.tokens[:, 1:], 0)
-  np.testing.assert_array_equal(broken.output.nonfinite_logits, first != EOS_ID)
-  assert (first != EOS_ID).sum() >= 4
+  # The first call already verifies drafts, so every row stops before its first token.
+  broken = _sampled_tiny_run('nan')
+  np.testing.assert_array_equal(broken.output.tokens, 0)
+  assert np.all(broken.output.nonfinite_logits)
+  np.testing.assert_array_equal(broken.stats.verified_positions, 0)  # No verdict counted.
 
 
 # ----------------------------------------------------------------------------------
@@ -767,8 +766,8 @@ def _check_trace(result, gamma):
   tokens, lengths = np.asarray(result.output.tokens), np.asarray(result.output.lengths)
   for row in range(tokens.shape[0]):
     assert _rebuild_from_trace(trace, row) == tokens[row, :lengths[row]].tolist(), row
-  active = trace.committed[:, 1:] > 0  # [b, L-1] loop iterations where the row committed
-  drafted, accepted = trace.num_drafts[:, 1:][active], trace.num_accepted[:, 1:][active]
+  active = trace.committed > 0  # [b, L] iterations where the row committed
+  drafted, accepted = trace.num_drafts[active], trace.num_accepted[active]
   assert np.all((drafted >= 1) & (drafted <= gamma) & (accepted <= drafted))
   stats = result.stats
   np.testing.assert_array_equal(stats.num_drafted_counts,

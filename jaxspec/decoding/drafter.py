@@ -28,7 +28,8 @@ runs as one draft.
 
 Positions: the decoder input sequence is x_0 = 0 (start), x_j = tokens[j-1]. With
 `length` committed tokens the next token to predict is tokens[length], from the
-prefix x_0..x_length.
+prefix x_0..x_length. The first proposal of a decode sees length 0 (only x_0): the
+target verifies the drafter's first tokens too, and draws no token on its own.
 """
 
 from __future__ import annotations
@@ -46,14 +47,19 @@ from jaxspec.sampling import SamplingConfig, sample_probs
 class DraftContext:
   """The committed state a drafter conditions on."""
   tokens: jax.Array  # [b, max_decode_length] committed output tokens, 0 past `length`
-  length: jax.Array  # [b] int32 >= 1, number of committed tokens
+  length: jax.Array  # [b] int32 >= 0, number of committed tokens
   encoder_tokens: jax.Array  # [b, s] int32, 0 = padding
 
   def last_two_inputs(self):
-    """[b, 2]: decoder inputs x_{length-1}, x_length (x_0 is the start token 0)."""
+    """[b, 2]: decoder inputs x_{length-1}, x_length (x_0 is the start token 0); at
+    length 0, where x_{-1} does not exist, [x_0, x_0]."""
     padded = jnp.pad(self.tokens, ((0, 0), (1, 0)))  # [b, 1 + L]; padded[:, j] = x_j
-    positions = self.length[:, None] + jnp.array([-1, 0])  # [b, 2]
+    positions = jnp.maximum(self.length[:, None] + jnp.array([-1, 0]), 0)  # [b, 2]
     return jnp.take_along_axis(padded, positions, axis=1)
+
+  def last_input(self):
+    """[b]: x_length, the input whose next token the drafter proposes first."""
+    return self.last_two_inputs()[:, 1]
 
 
 class Drafter(Protocol):

@@ -134,6 +134,6 @@ class BigramDrafter:
       token = draw_tokens(position_keys, probs, sampling)
       return token, (token, probs)
 
-    last_input = context.last_two_inputs()[:, 1]  # [b] x_length
+    last_input = context.last_input()  # [b] x_length
     _, (tokens, probs) = jax.lax.scan(step, last_input, _position_keys(keys, gamma))
     return jnp.swapaxes(tokens, 0, 1), jnp.swapaxes(probs, 0, 1), state

@@ -12,9 +12,9 @@ Each iteration, for every row independently:
 With SpeculativeConfig.num_drafts = k > 1 steps 1-3 run on k branches of drafts
 verified in one tree-shaped target step (jaxspec/decoding/multi_draft.py).
 
-Before the loop one ordinary target step draws the first token, so every
-iteration starts with >= 1 committed token (the drafter's two-input first step needs
-x_{length-1}).
+There is no separate first-token step: the first iteration starts from x_0 alone
+(length 0), the drafter proposes d_1..d_g after it and the target verifies
+[x_0, d_1..d_g], so even the first call can commit up to g + 1 tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxspec import block_verification, validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common, multi_draft
-from jaxspec.decoding.drafter import (DraftContext, Drafter, draw_tokens, init_drafter_state,
+from jaxspec.decoding.drafter import (DraftContext, Drafter, init_drafter_state,
                                       propose_with_confidence)
 from jaxspec.model import T5, DecoderCache, rollback
 from jaxspec.sampling import (SamplingConfig, gather_probs, greedy_verdict, mask_unproposed,
@@ -96,7 +96,7 @@ class SpeculativeConfig:
 @flax.struct.dataclass
 class SpeculativeStats:
   """Per-call statistics; arrays with a batch axis are per row."""
-  target_calls: jax.Array  # [] target decode steps run (the first-token step included)
+  target_calls: jax.Array  # [] target decode steps run (one per iteration)
   draft_calls: jax.Array  # [] drafter proposals run, times gamma (draft decode steps)
   row_target_calls: jax.Array  # [b] target steps while the row was still decoding
   accepted_per_position: jax.Array  # [g] times the draft at position i was accepted
@@ -120,8 +120,8 @@ class SpeculativeStats:
 class SpeculativeTrace:
   """What every iteration did, per row (speculative_generate(..., record_trace=True)).
 
-  Iteration 0 is the first-token step (no drafts, its token in next_token); iteration
-  t >= 1 is the t-th loop iteration. Arrays are [b, L] or [b, L, g], L the
+  Iteration t is the loop's (t+1)-th iteration (the first proposes after x_0 alone).
+  Arrays are [b, L] or [b, L, g], L the
   max_decode_length (the most iterations a row can take part in), zero where a row was
   done or the loop had stopped. The committed tokens of row b are, over t,
   (drafts[b, t, :num_accepted[b, t]] + [next_token[b, t]])[:committed[b, t]].
@@ -273,7 +273,7 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
   drafted = jnp.full(drafts.shape[:1], gamma, jnp.int32) if num_drafts is None else num_drafts
 
   # Verify: x_length (the last committed token) and the drafts, at the row's offset.
-  last_token = context.last_two_inputs()[:, 1:]  # [b, 1]
+  last_token = context.last_input()[:, None]  # [b, 1]
   verify_tokens = jnp.concatenate([last_token, drafts], axis=1)  # [b, g+1]
   target_cache = rollback(state.target_cache, state.length)
   logits, target_cache = model.apply(target_params, verify_tokens, target_cache,
@@ -304,7 +304,7 @@ def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, enc
 
   # Verify: the root x_length and every branch in one step, positions by depth.
   batch = drafts.shape[0]
-  tree_tokens = multi_draft.flatten_tree(context.last_two_inputs()[:, 1:], drafts)  # [b, t]
+  tree_tokens = multi_draft.flatten_tree(context.last_input()[:, None], drafts)  # [b, t]
   target_cache = rollback(state.target_cache, state.length)
   tree_logits, target_cache = T5(target_config).apply(
       target_params, tree_tokens, target_cache,
@@ -393,35 +393,24 @@ def check_compatible(target_config: T5Config, drafter: Drafter):
         'decoding needs both over the same token ids')
 
 
-def _first_token(target_params, encoder_tokens, row_keys, *, target_config, cache_length,
-                 max_decode_length, sampling, gamma, eos_id):
-  """Encodes once, runs one ordinary target step and builds the loop state (minus drafter).
-
-  Also returns the target's encoder output, for drafters that share it."""
+def _encode(target_params, encoder_tokens, *, target_config, cache_length):
+  """Encodes once with the target -> (its empty DecoderCache of cache_length positions,
+  the encoder output [b, s, e], for drafters that share it)."""
   model = T5(target_config)
-  batch = encoder_tokens.shape[0]
   encoded = model.apply(target_params, encoder_tokens, method=T5.encode)
   cache = model.apply(target_params, encoded, encoder_tokens, cache_length,
                       method=T5.init_cache)
-  logits, cache = model.apply(target_params, jnp.zeros((batch, 1), jnp.int32), cache,
-                              method=T5.decode)
-  probs = standardize(logits[:, 0], sampling)
-  # Key 0 of each row draws the first token; iterations use keys 1, 2, ...
-  first_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, 0)
-  broken = nonfinite_logits(logits[:, 0])  # [b]; such rows stop before their first token
-  first = jnp.where(broken, 0, draw_tokens(first_keys, probs, sampling))
-  tokens = jnp.zeros((batch, max_decode_length), jnp.int32).at[:, 0].set(first)
-  log_probs = jnp.zeros((batch, max_decode_length), jnp.float32).at[:, 0].set(
-      jnp.where(broken, 0.0, _log_prob_of(probs, first, sampling)))
-  done = (first == eos_id) | (max_decode_length <= 1) | broken
-  stats = SpeculativeStats(
-      target_calls=jnp.ones((), jnp.int32), draft_calls=jnp.zeros((), jnp.int32),
-      row_target_calls=jnp.ones((batch,), jnp.int32),
+  return cache, encoded
+
+
+def _initial_stats(batch: int, gamma: int) -> SpeculativeStats:
+  zero = jnp.zeros((), jnp.int32)
+  return SpeculativeStats(
+      target_calls=zero, draft_calls=zero, row_target_calls=jnp.zeros((batch,), jnp.int32),
       accepted_per_position=jnp.zeros((gamma,), jnp.int32),
       num_accepted_counts=jnp.zeros((gamma + 1,), jnp.int32),
-      overlap_sum=jnp.zeros((), jnp.float32), verified_positions=jnp.zeros((), jnp.int32),
+      overlap_sum=jnp.zeros((), jnp.float32), verified_positions=zero,
       num_drafted_counts=jnp.zeros((gamma + 1,), jnp.int32))
-  return tokens, log_probs, done, cache, stats, broken, encoded
 
 
 def _target_cache_length(spec: SpeculativeConfig, max_decode_length: int) -> int:
@@ -430,15 +419,11 @@ def _target_cache_length(spec: SpeculativeConfig, max_decode_length: int) -> int
   return max_decode_length + spec.num_drafts * spec.gamma
 
 
-def _initial_trace(tokens, length, gamma: int) -> SpeculativeTrace:
-  """The trace with iteration 0 filled in from the first-token step's tokens [b, L] and
-  committed count length [b] (0 for a row stopped by non-finite logits)."""
-  batch, max_decode_length = tokens.shape
+def _initial_trace(batch: int, max_decode_length: int, gamma: int) -> SpeculativeTrace:
   zeros = jnp.zeros((batch, max_decode_length), jnp.int32)
   return SpeculativeTrace(
       drafts=jnp.zeros((batch, max_decode_length, gamma), jnp.int32), num_drafts=zeros,
-      num_accepted=zeros, next_token=zeros.at[:, 0].set(tokens[:, 0]),
-      committed=zeros.at[:, 0].set(length))
+      num_accepted=zeros, next_token=zeros, committed=zeros)
 
 
 def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None, *,
@@ -493,20 +478,19 @@ def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
   row_keys = common.row_keys(rng, batch)
   # The drafter's room for gamma drafts from the last position; writes past it drop.
   cache_length = max_decode_length + spec.gamma
-  tokens, log_probs, done, target_cache, stats, nonfinite, encoded = _first_token(
-      target_params, encoder_tokens, row_keys, target_config=target_config,
-      cache_length=_target_cache_length(spec, max_decode_length),
-      max_decode_length=max_decode_length, sampling=sampling,
-      gamma=spec.gamma, eos_id=eos_id)
+  target_cache, encoded = _encode(
+      target_params, encoder_tokens, target_config=target_config,
+      cache_length=_target_cache_length(spec, max_decode_length))
+  zeros = jnp.zeros((batch,), jnp.int32)
   initial = _LoopState(
-      tokens=tokens, token_log_probs=log_probs, length=jnp.ones((batch,), jnp.int32),
-      done=done, target_cache=target_cache,
+      tokens=jnp.zeros((batch, max_decode_length), jnp.int32),
+      token_log_probs=jnp.zeros((batch, max_decode_length), jnp.float32),
+      length=zeros, done=zeros.astype(bool), target_cache=target_cache,
       drafter_state=init_drafter_state(drafter, drafter_params, encoder_tokens, encoded,
                                        cache_length, target_cache),
-      row_keys=row_keys, iteration=jnp.ones((), jnp.int32), stats=stats,
-      nonfinite=nonfinite,
-      trace=_initial_trace(tokens, jnp.where(nonfinite, 0, 1), spec.gamma) if record_trace
-      else None)
+      row_keys=row_keys, iteration=jnp.zeros((), jnp.int32),
+      stats=_initial_stats(batch, spec.gamma), nonfinite=zeros.astype(bool),
+      trace=_initial_trace(batch, max_decode_length, spec.gamma) if record_trace else None)
   body = functools.partial(
       _iteration, target_params=target_params, drafter_params=drafter_params,
       encoder_tokens=encoder_tokens, target_config=target_config, drafter=drafter,

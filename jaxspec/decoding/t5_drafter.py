@@ -44,10 +44,10 @@ class CachedDecoderDrafter:
 class T5Drafter(CachedDecoderDrafter):
   """A smaller T5 over the same vocabulary, with its own encoder pass and cache.
 
-  Rollback is by index: each proposal starts by setting the cache's end to
-  length - 1 and feeding the two inputs x_{length-1}, x_length. This re-writes the
-  slot of x_{length-1}, which covers the case where every draft was accepted and the
-  drafter never consumed its last draft, without a shape change.
+  Rollback is by index: each proposal starts by consuming x_{length-1}, x_length in
+  one step (`consume_last_inputs`), which re-writes the slot of x_{length-1} and so
+  covers the case where every draft was accepted and the drafter never consumed its
+  last draft, without a shape change.
   """
   config: T5Config
 
@@ -66,6 +66,21 @@ class T5Drafter(CachedDecoderDrafter):
     return lambda tokens, cache: model.apply(params, tokens, cache, method=T5.decode)
 
 
+def consume_last_inputs(decode, cache: DecoderCache, context: DraftContext):
+  """The first step of a proposal: -> logits after x_length [b, v], the cache with
+  x_0..x_length and its end at length + 1 (where d_1 goes).
+
+  One two-token step over [x_{length-1}, x_length] from position length - 1. At
+  length 0 (the decode's first proposal) it runs over [x_0, x_0] from position 0 and
+  keeps the first position's logits: causal attention makes them those of x_0 alone,
+  and the second slot is overwritten by d_1 (the end is set back to 1).
+  """
+  start = jnp.maximum(context.length - 1, 0)  # [b]
+  logits, cache = decode(context.last_two_inputs(), rollback(cache, start))  # [b, 2, v]
+  last_logits = jnp.where((context.length > 0)[:, None], logits[:, 1], logits[:, 0])
+  return last_logits, rollback(cache, context.length + 1)
+
+
 def propose_until_unsure(decode, cache: DecoderCache, context: DraftContext, gamma: int,
                          sampling: SamplingConfig, keys, stop_below: float):
   """As propose_from_decoder, with the steps in a while loop that ends once every row has
@@ -73,12 +88,11 @@ def propose_until_unsure(decode, cache: DecoderCache, context: DraftContext, gam
   gamma, v], confidence [b, gamma], cache. Positions not drafted are 0 in all three.
   The keys are propose_from_decoder's, so the drafts up to each row's stop are its drafts.
   """
-  cache = rollback(cache, context.length - 1)
-  logits, cache = decode(context.last_two_inputs(), cache)
+  last_logits, cache = consume_last_inputs(decode, cache, context)  # [b, v]
   step_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(keys)  # [b, gamma]
-  probs = standardize(logits[:, -1], sampling)  # [b, v]
+  probs = standardize(last_logits, sampling)  # [b, v]
   token = draw_tokens(step_keys[:, 0], probs, sampling)
-  confidence = draft_confidence(logits[:, -1], probs, sampling)  # [b]
+  confidence = draft_confidence(last_logits, probs, sampling)  # [b]
   batch, vocab = probs.shape
   tokens = jnp.zeros((batch, gamma), jnp.int32).at[:, 0].set(token)
   all_probs = jnp.zeros((batch, gamma, vocab), jnp.float32).at[:, 0].set(probs)
@@ -108,13 +122,12 @@ def propose_from_decoder(decode, cache: DecoderCache, context: DraftContext, gam
   """gamma drafts from a cached decoder: -> tokens [b, gamma], q [b, gamma, v], cache.
 
   decode(tokens [b, k], cache) -> (logits [b, k, v], cache), e.g. T5.decode. The cache
-  is rolled back to length - 1 and fed [x_{length-1}, x_length] in one step, then
-  gamma - 1 single steps run in a scan. keys [b]: one PRNG key per row.
+  consumes [x_{length-1}, x_length] in one step (consume_last_inputs), then gamma - 1
+  single steps run in a scan. keys [b]: one PRNG key per row.
   """
-  cache = rollback(cache, context.length - 1)
-  logits, cache = decode(context.last_two_inputs(), cache)
+  last_logits, cache = consume_last_inputs(decode, cache, context)  # [b, v]
   step_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(keys)  # [b, gamma]
-  probs = standardize(logits[:, -1], sampling)  # [b, v]
+  probs = standardize(last_logits, sampling)  # [b, v]
   token = draw_tokens(step_keys[:, 0], probs, sampling)
 
   def step(carry, step_key):
@@ -140,10 +153,9 @@ def propose_top_branches_from_decoder(decode, cache: DecoderCache, context: Draf
   continues greedily. -> tokens [b, k, g], q [b, k, g, v] (one-hot at the tokens: each
   was chosen deterministically), cache [b k] (row b's branch j at b k + j).
   """
-  cache = rollback(cache, context.length - 1)
-  logits, cache = decode(context.last_two_inputs(), cache)  # [b, 2, v]
-  batch, _, vocab = logits.shape
-  _, first = jax.lax.top_k(logits[:, -1], num_branches)  # [b, k]
+  last_logits, cache = consume_last_inputs(decode, cache, context)  # [b, v]
+  batch, vocab = last_logits.shape
+  _, first = jax.lax.top_k(last_logits, num_branches)  # [b, k]
   cache = repeat_rows(cache, num_branches)  # [b k]
 
   def step(carry, _):
