@@ -130,13 +130,27 @@ def pytest_sessionfinish(session):
 
 
 @pytest.fixture(scope='session')
-def tiny_launcher_run(tmp_path_factory):
-  """scripts/infer.py's unpartitioned run of tiny random checkpoints, made once in this
-  process: a directory holding the checkpoints (target/, draft/) and the run's outputs
-  (plain/), tests/_sharded_worker.py's LAUNCHER_CONFIG. The sharded and multi-host
-  launcher runs (tests/test_partitioning.py, tests/test_multihost.py) decode the same
-  checkpoints and must write what it wrote."""
+def tiny_pair_checkpoints(tmp_path_factory):
+  """Random checkpoints of gin/models/tiny_pair.gin's target (seed 0) and draft (seed 1),
+  written once in this process: a directory holding target/ and draft/ (the checkpoints
+  of tests/_sharded_worker.py's LAUNCHER_CONFIG). The launcher and benchmark tests copy
+  them into their own directories."""
+  import _sharded_worker  # pylint: disable=g-import-not-at-top  (tests/, imports the scripts)
+  directory = tmp_path_factory.mktemp('tiny_pair')
+  _sharded_worker.write_launcher_checkpoints(str(directory))
+  return directory
+
+
+@pytest.fixture(scope='session')
+def tiny_launcher_run(tmp_path_factory, tiny_pair_checkpoints):
+  """scripts/infer.py's unpartitioned run of the tiny random checkpoints, made once in
+  this process: a directory holding the checkpoints (target/, draft/) and the run's
+  outputs (plain/), tests/_sharded_worker.py's LAUNCHER_CONFIG. The sharded and
+  multi-host launcher runs (tests/test_partitioning.py, tests/test_multihost.py) decode
+  the same checkpoints and must write what it wrote."""
   import _sharded_worker  # pylint: disable=g-import-not-at-top  (tests/, imports the scripts)
   directory = tmp_path_factory.mktemp('launcher')
-  _sharded_worker.make_launcher_run(str(directory))
+  for name in ('target', 'draft'):
+    shutil.copytree(tiny_pair_checkpoints / name, directory / name)
+  _sharded_worker.run_launcher(str(directory), f'{directory}/plain')
   return directory

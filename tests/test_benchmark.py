@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import sys
 
 import gin
@@ -249,10 +250,12 @@ def _unlocked_gin():
   gin.clear_config()
 
 
-def _run_benchmark_script(tmp_path, bindings: str = ''):
-  """scripts/benchmark.py's benchmark() on the TINY pair (random weights saved as T5X
-  checkpoints under tmp_path) with extra gin bindings, output in tmp_path/out.
-  -> (results, target config, draft config)."""
+def _run_benchmark_script(tmp_path, checkpoints, bindings: str = ''):
+  """scripts/benchmark.py's benchmark() on the TINY pair (random weights: the T5X
+  checkpoints of tests/conftest.py's tiny_pair_checkpoints, copied under tmp_path) with
+  extra gin bindings, output in tmp_path/out. -> (results, target config, draft config)."""
+  for name in ('target', 'draft'):
+    shutil.copytree(checkpoints / name, tmp_path / name)
   gin.clear_config()
   config = tmp_path / 'bench.gin'
   config.write_text(TINY + bindings + f"benchmark.target_checkpoint = '{tmp_path}/target'\n"
@@ -261,13 +264,11 @@ def _run_benchmark_script(tmp_path, bindings: str = ''):
   gin_flags.parse([f'--gin_file={config}'])
   target = gin.query_parameter('benchmark.target_model').scoped_configurable_fn()
   draft = gin.query_parameter('benchmark.t5_drafts')['tiny'].scoped_configurable_fn()
-  save_t5x_checkpoint(tmp_path / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
-  save_t5x_checkpoint(tmp_path / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
   return benchmark_script.benchmark(), target, draft
 
 
-def test_benchmark_script_writes_every_table(tmp_path, _unlocked_gin):
-  results, target, draft = _run_benchmark_script(tmp_path)
+def test_benchmark_script_writes_every_table(tmp_path, tiny_pair_checkpoints, _unlocked_gin):
+  results, target, draft = _run_benchmark_script(tmp_path, tiny_pair_checkpoints)
 
   written = json.loads((tmp_path / 'out' / 'results.json').read_text())
   assert written['task'] == 'ende' and written['machine']['platform'] == 'cpu'
@@ -331,7 +332,8 @@ def test_benchmark_runs_the_int8_draft_made_from_the_target(tmp_path):
   np.testing.assert_array_equal(speculative.output.tokens, setup.baseline(rows, greedy).tokens)
 
 
-def test_benchmark_beam_rows_compare_beam_and_speculative_beam(tmp_path, _unlocked_gin):
+def test_benchmark_beam_rows_compare_beam_and_speculative_beam(tmp_path, tiny_pair_checkpoints,
+                                                               _unlocked_gin):
   beam_bindings = ("include 'gin/decoding/beam.gin'\n"
                    "benchmark.sections = ('beam',)\n"
                    "benchmark.other_drafters = ()\n"
@@ -339,7 +341,7 @@ def test_benchmark_beam_rows_compare_beam_and_speculative_beam(tmp_path, _unlock
                    "benchmark.speculative_beam = @jaxspec.SpeculativeBeamConfig()\n"
                    "benchmark.beam_examples = 3\n"
                    "NUM_BEAMS = 2\nBEAM_GAMMA = 2\n")
-  results, _, _ = _run_benchmark_script(tmp_path, beam_bindings)
+  results, _, _ = _run_benchmark_script(tmp_path, tiny_pair_checkpoints, beam_bindings)
 
   assert set(results) >= {'beam'} and 'table2' not in results and 'alpha' not in results
   row = results['beam']

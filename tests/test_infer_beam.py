@@ -9,7 +9,6 @@ import shutil
 import sys
 
 import gin
-import jax
 import numpy as np
 import pytest
 
@@ -19,11 +18,9 @@ sys.path.insert(0, os.path.join(REPO, 'scripts'))
 import gin_flags  # noqa: E402
 import infer as infer_script  # noqa: E402
 from jaxspec import inference  # noqa: E402
-from jaxspec.checkpoints.t5x import save_t5x_checkpoint  # noqa: E402
 from jaxspec.config import EOS_ID  # noqa: E402
 from jaxspec.data import corpora  # noqa: E402
 from jaxspec.decoding.beam_search import BeamConfig, generate_beam  # noqa: E402
-from jaxspec.model import init_params  # noqa: E402
 
 NUM_EXAMPLES = 5
 
@@ -57,25 +54,13 @@ def _parse(tmp_path, bindings=()):
   gin_flags.parse([f'--gin_file={path}'] + [f'--gin.{b}' for b in bindings])
 
 
-@pytest.fixture(scope='module')
-def _tiny_checkpoint_files(tmp_path_factory):
-  """Random target and draft checkpoints of _config's models, written once."""
-  directory = tmp_path_factory.mktemp('tiny_checkpoints')
-  _parse(directory)
-  target = gin.query_parameter('infer.target_model').scoped_configurable_fn()
-  draft = gin.query_parameter('jaxspec.T5Drafter.config').scoped_configurable_fn()
-  gin.clear_config()
-  save_t5x_checkpoint(directory / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
-  save_t5x_checkpoint(directory / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
-  return directory
-
-
 @pytest.fixture
-def tiny_checkpoints(tmp_path, _tiny_checkpoint_files):
-  """(tmp_path holding a copy of the tiny checkpoints, the target's config), with
+def tiny_checkpoints(tmp_path, tiny_pair_checkpoints):
+  """(tmp_path holding a copy of _config's checkpoints: random weights of
+  gin/models/tiny_pair.gin's models, tests/conftest.py; the target's config), with
   _config(tmp_path) parsed."""
   for name in ('target', 'draft'):
-    shutil.copytree(_tiny_checkpoint_files / name, tmp_path / name)
+    shutil.copytree(tiny_pair_checkpoints / name, tmp_path / name)
   _parse(tmp_path)
   target = gin.query_parameter('infer.target_model').scoped_configurable_fn()
   yield tmp_path, target

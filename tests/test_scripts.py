@@ -28,8 +28,7 @@ import gin_flags  # noqa: E402
 import infer as infer_script  # noqa: E402
 import train as train_script  # noqa: E402
 from jaxspec import inference  # noqa: E402
-from jaxspec.checkpoints.t5x import load_t5x_checkpoint, save_t5x_checkpoint  # noqa: E402
-from jaxspec.model import init_params  # noqa: E402
+from jaxspec.checkpoints.t5x import load_t5x_checkpoint  # noqa: E402
 
 TINY_MODEL = """
 include 'gin/models/tiny_pair.gin'
@@ -101,24 +100,12 @@ GAMMA = 2
                    f"infer.output_dir = '{tmp_path}/out'\n")
 
 
-@pytest.fixture(scope='module')
-def _tiny_checkpoint_files(tmp_path_factory):
-  """Random target and draft checkpoints of _infer_config's models, written once."""
-  directory = tmp_path_factory.mktemp('tiny_checkpoints')
-  _parse(directory, _infer_config(directory))
-  target = gin.query_parameter('infer.target_model').scoped_configurable_fn()
-  draft = gin.query_parameter('jaxspec.T5Drafter.config').scoped_configurable_fn()
-  gin.clear_config()
-  save_t5x_checkpoint(directory / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
-  save_t5x_checkpoint(directory / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
-  return directory
-
-
 @pytest.fixture
-def tiny_checkpoints(tmp_path, _tiny_checkpoint_files):
-  """tmp_path holding a copy of the tiny checkpoints (target/, draft/)."""
+def tiny_checkpoints(tmp_path, tiny_pair_checkpoints):
+  """tmp_path holding a copy of _infer_config's checkpoints (target/, draft/: random
+  weights of gin/models/tiny_pair.gin's models, tests/conftest.py)."""
   for name in ('target', 'draft'):
-    shutil.copytree(_tiny_checkpoint_files / name, tmp_path / name)
+    shutil.copytree(tiny_pair_checkpoints / name, tmp_path / name)
   return tmp_path
 
 

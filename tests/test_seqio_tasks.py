@@ -4,6 +4,7 @@ jaxspec.data.corpora (only where seqio is installed: `pip install -e '.[test,dat
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -145,20 +146,18 @@ def test_local_task_vocabulary_and_metrics(seqio):
   assert rouge_fn(targets, predictions) == metrics.rouge(targets, predictions)
 
 
-def test_infer_reads_a_local_seqio_task_as_the_corpus(seqio, tmp_path):
+def test_infer_reads_a_local_seqio_task_as_the_corpus(seqio, tmp_path, tiny_pair_checkpoints):
   """The launcher over jaxspec_ende_local decodes exactly what it decodes over 'ende'."""
   sys.path.insert(0, os.path.join(REPO, 'scripts'))
   import gin_flags  # pylint: disable=g-import-not-at-top
   import infer as infer_script  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  from jaxspec.checkpoints.t5x import save_t5x_checkpoint  # pylint: disable=g-import-not-at-top
   from jaxspec.config import T5Config  # pylint: disable=g-import-not-at-top
-  from jaxspec.model import init_params  # pylint: disable=g-import-not-at-top
+  # gin/models/tiny_pair.gin's models; their random checkpoints from tests/conftest.py.
   target = T5Config(vocab_size=8000, emb_dim=16, num_heads=2, head_dim=8,
                     num_encoder_layers=1, num_decoder_layers=1, mlp_dim=32)
   draft = target.replace(emb_dim=8, num_heads=1, mlp_dim=16)
-  save_t5x_checkpoint(tmp_path / 'target', init_params(target, jax.random.PRNGKey(0)), 1)
-  save_t5x_checkpoint(tmp_path / 'draft', init_params(draft, jax.random.PRNGKey(1)), 1)
+  for name in ('target', 'draft'):
+    shutil.copytree(tiny_pair_checkpoints / name, tmp_path / name)
   summaries = {}
   try:
     for source in ("corpus = 'ende'", "seqio_task = 'jaxspec_ende_local'"):
