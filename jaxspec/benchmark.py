@@ -90,10 +90,10 @@ def _per_prefix_proposals(params, encoder_tokens, decoder_tokens, key, *, drafte
   """q [b, t, v] of a drafter whose proposal depends only on the committed prefix.
 
   Each prefix becomes its own row: row (b, j) has committed tokens[:j] and proposes one
-  token; position 0 (no committed token yet) gets a uniform placeholder, never used.
+  token (row (b, 0) after the start token alone, as a decode's first proposal).
   """
   batch, length = decoder_tokens.shape
-  prefix_lengths = jnp.maximum(jnp.arange(length), 1)  # [t]
+  prefix_lengths = jnp.arange(length)  # [t]
   keep = jnp.arange(length)[None, :] < prefix_lengths[:, None]  # [t, t]
   rows = jnp.where(keep[None], decoder_tokens[:, None, :], 0).reshape(batch * length, length)
   context = DraftContext(tokens=rows, length=jnp.tile(prefix_lengths, batch),
@@ -128,7 +128,7 @@ class TargetSamples:
   """The target's own outputs and its distributions at every prefix of them."""
   encoder_tokens: np.ndarray  # [n, s]
   tokens: np.ndarray  # [n, t] sampled from the target, 0 after EOS
-  mask: np.ndarray  # [n, t] bool: positions 1.. up to and including EOS (drafted ones)
+  mask: np.ndarray  # [n, t] bool: every output position up to and including EOS
   batches: tuple[tuple[int, int], ...]  # [start, stop) row ranges used for scoring
 
 
@@ -137,8 +137,8 @@ def sample_target_outputs(target_params, target_config: T5Config, encoder_tokens
                           min_tokens: int, batch_size: int = 16) -> TargetSamples:
   """Decodes rows of encoder_tokens [n, s] with the target until >= min_tokens positions.
 
-  Counts the positions speculative decoding drafts: every output position after the
-  first (the first token comes from the target's own first step) through EOS.
+  Counts the positions speculative decoding drafts: every output position through EOS
+  (the first too: no target call runs without drafts).
   """
   outputs, masks, batches, counted, start = [], [], [], 0, 0
   while counted < min_tokens and start < len(encoder_tokens):
@@ -149,7 +149,7 @@ def sample_target_outputs(target_params, target_config: T5Config, encoder_tokens
                                max_decode_length=max_decode_length, sampling=sampling)
     lengths = np.asarray(output.lengths)[:stop - start]
     positions = np.arange(max_decode_length)[None, :]
-    mask = (positions >= 1) & (positions < lengths[:, None])
+    mask = positions < lengths[:, None]
     outputs.append(np.asarray(output.tokens)[:stop - start])
     masks.append(mask)
     batches.append((start, stop))

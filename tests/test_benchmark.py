@@ -86,7 +86,7 @@ def test_target_samples_are_the_targets_outputs_and_count_drafted_positions(
   np.testing.assert_array_equal(samples.tokens, np.asarray(expected.tokens))
   for row, length in enumerate(np.asarray(expected.lengths)):
     np.testing.assert_array_equal(samples.mask[row],
-                                  (np.arange(10) >= 1) & (np.arange(10) < length))
+                                  np.arange(10) < length)  # The first position too.
   everything = measure.sample_target_outputs(params, CONFIG, encoder_tokens, 10, SAMPLED, rng,
                                              min_tokens=10**6, batch_size=2)
   assert everything.batches == ((0, 2), (2, 4), (4, 5)) and len(everything.tokens) == 5
@@ -97,15 +97,15 @@ def test_bigram_proposals_per_prefix_are_its_table_rows(params, encoder_tokens):
   tokens = np.random.RandomState(2).randint(3, CONFIG.vocab_size, (2, 6)).astype(np.int32)
   probs = measure.drafter_probs(BigramDrafter(CONFIG.vocab_size), jnp.asarray(table),
                                 encoder_tokens[:2], tokens, SAMPLED)
-  np.testing.assert_allclose(np.asarray(probs)[:, 1:], _softmax(table[tokens[:, :-1]]),
-                             rtol=1e-5, atol=1e-7)
+  previous = np.pad(tokens[:, :-1], ((0, 0), (1, 0)))  # x_j; x_0 is the start token 0.
+  np.testing.assert_allclose(np.asarray(probs), _softmax(table[previous]), rtol=1e-5, atol=1e-7)
 
 
 def test_prompt_lookup_proposals_per_prefix_match_direct_calls(encoder_tokens):
   drafter = PromptLookupDrafter(CONFIG.vocab_size)
   tokens = np.array([list(encoder_tokens[0, :4]) + [5, 6]], np.int32)
   probs = measure.drafter_probs(drafter, (), encoder_tokens[:1], tokens, GREEDY)
-  for length in range(1, 6):
+  for length in range(6):  # Length 0: the proposal after the start token alone.
     context = DraftContext(tokens=jnp.asarray(np.where(np.arange(6) < length, tokens, 0)),
                            length=jnp.array([length]), encoder_tokens=encoder_tokens[:1])
     drafts, _, _ = drafter.propose((), (), context, 1, GREEDY, jax.random.split(
