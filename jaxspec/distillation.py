@@ -12,6 +12,8 @@ sequences it will actually meet:
   the references, or decoded on the fly from the step's training inputs by the draft
   (its own samples: on-policy), by the teacher (samples or greedy), in a set mix, with
   `jaxspec.decoding.baseline.generate` (one jit, fixed shapes, per-row keys).
+- `noised_inputs`: training inputs with random pieces swapped in, so that a teacher
+  that memorized its training split decodes them as it decodes unseen inputs.
 - `greedy_targets`, `teacher_fingerprint`: sequence-level distillation, the teacher's
   greedy outputs for the training inputs computed once (the caller caches them on disk
   under the teacher's fingerprint) and used as references.
@@ -212,6 +214,26 @@ def on_policy_batch(batch: dict[str, np.ndarray], source: str, rng, *, mix: Data
                              max_decode_length=max_decode_length,
                              sampling=SamplingConfig(temperature=temperature))
   return sequences_batch(batch['inputs'], output.tokens, output.lengths, quantum)
+
+
+FIRST_PIECE = 3  # Vocabulary ids below it are padding, EOS and unknown.
+
+
+def noised_inputs(inputs, rate: float, vocab_size: int, seed: int, step: int) -> np.ndarray:
+  """inputs [b, s] with each token (not padding, not EOS) replaced, with probability
+  `rate`, by a piece drawn uniformly from the vocabulary; fixed by (seed, step).
+
+  A teacher that has nearly memorized its training split answers a training input with
+  its reference; on a noised input it shows its own behaviour, as on held-out inputs,
+  which is what a draft must learn to agree with.
+  """
+  inputs = np.array(inputs, np.int32)
+  if rate <= 0.0:
+    return inputs
+  rng = np.random.RandomState([seed, step, 15])
+  replace = (rng.random_sample(inputs.shape) < rate) & (inputs >= FIRST_PIECE)
+  pieces = rng.randint(FIRST_PIECE, vocab_size, inputs.shape).astype(np.int32)
+  return np.where(replace, pieces, inputs)
 
 
 # ---------------------------------------------------------------------------

@@ -77,8 +77,11 @@ def machine_description() -> dict:
 
 def shared_encoder_label(name: str, drafter) -> str:
   """How the tables name a draft of benchmark.shared_encoder_drafts: 'int8 <name>' for
-  an Int8Drafter (the target's decoder in int8), else 'shared encoder <name>'."""
-  return f'int8 {name}' if isinstance(drafter, Int8Drafter) else f'shared encoder {name}'
+  an Int8Drafter (the target's decoder in int8), else 'shared encoder <name>' (with
+  ' (int8)' for a draft decoded with int8 weights)."""
+  if isinstance(drafter, Int8Drafter):
+    return f'int8 {name}'
+  return f'shared encoder {name}' + (' (int8)' if drafter.weights == 'int8' else '')
 
 
 class Setup:

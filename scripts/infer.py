@@ -57,7 +57,7 @@ from jaxspec.decoding.drafters import (BigramDrafter, Int8Drafter, PromptLookupD
 from jaxspec.decoding.speculative import (SpeculativeConfig, check_compatible,
                                           speculative_generate)
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
-from jaxspec.model import abstract_params, kernel_layout
+from jaxspec.model import abstract_params
 from jaxspec.model.quantization import int8_decoder
 from jaxspec.sampling import SamplingConfig
 
@@ -100,8 +100,8 @@ def drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length, part
   if isinstance(drafter, SharedEncoderDrafter):  # A draft decoder over the target's encoding.
     if not draft_checkpoint:
       raise ValueError('a shared-encoder drafter needs infer.draft_checkpoint')
-    return {'params': jax.device_put(kernel_layout.for_decoding(shared_encoder_checkpoints.load(
-        draft_checkpoint, drafter.config, drafter.encoder_dim, dtype=drafter.config.param_dtype)))}
+    return drafter.decoding_params(shared_encoder_checkpoints.load(
+        draft_checkpoint, drafter.config, drafter.encoder_dim, dtype=drafter.config.param_dtype))
   if isinstance(drafter, (UnigramDrafter, BigramDrafter)):
     if corpus is None:
       raise ValueError('n-gram drafters are fitted on a shipped corpus (infer.corpus); '

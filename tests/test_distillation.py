@@ -175,6 +175,21 @@ def _on_policy_batch(reference, source, rng, tiny_pair, draft=None, temperature=
       teacher_params={'params': teacher}, teacher_config=TEACHER)
 
 
+def test_noised_inputs_swap_pieces_at_the_rate_and_keep_padding_and_eos():
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(3, 8000, (64, 40)).astype(np.int32)
+  inputs[:, 30] = EOS_ID
+  inputs[:, 31:] = 0
+  noised = distillation.noised_inputs(inputs, 0.25, 8000, seed=1, step=7)
+  np.testing.assert_array_equal(noised[:, 30:], inputs[:, 30:])  # EOS and padding stay.
+  changed = (noised[:, :30] != inputs[:, :30]).mean()
+  assert 0.2 < changed < 0.3, changed
+  assert noised.min() >= 0 and noised[:, :30].min() >= distillation.FIRST_PIECE
+  np.testing.assert_array_equal(noised, distillation.noised_inputs(inputs, 0.25, 8000, 1, 7))
+  assert (noised != distillation.noised_inputs(inputs, 0.25, 8000, 1, 8)).any()
+  np.testing.assert_array_equal(distillation.noised_inputs(inputs, 0.0, 8000, 1, 7), inputs)
+
+
 def test_on_policy_batch_decodes_with_the_right_model_and_temperature(tiny_pair):
   teacher, draft = tiny_pair
   inputs = _inputs(0)

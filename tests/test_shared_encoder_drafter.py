@@ -10,6 +10,9 @@
   distribution (chi-square against enumeration, tests/test_speculative.py's helpers).
 - No encoder pass for the draft: T5.encode is traced once per generation (twice with a
   T5Drafter, the control).
+- A layer-pruned draft (`from_target_decoder(params, layers)`) is the target's own
+  layers in the order named; an int8 draft decoder (weights='int8') quantizes every
+  per-step matrix and decodes the baseline's greedy output.
 - Checkpoints round-trip in T5X's legacy layout; bad trees and widths are refused.
 - scripts/infer.py takes the drafter by gin and decodes the baseline's outputs.
 """
@@ -38,7 +41,7 @@ from jaxspec.decoding import speculative
 from jaxspec.decoding.drafters import (DraftContext, SharedEncoderDrafter,
                                        SharedEncoderDrafterWithTarget, T5Drafter)
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.model import T5, abstract_params, init_params, rollback
+from jaxspec.model import T5, abstract_params, init_params, kernel_layout, rollback
 from jaxspec.model import shared_encoder_draft as draft_model
 from jaxspec.sampling import SamplingConfig
 
@@ -58,12 +61,25 @@ def _narrow_params():
   return draft_model.init_params(NARROW, TARGET.emb_dim, jax.random.PRNGKey(3))
 
 
+_PRUNED = TARGET.replace(num_decoder_layers=1)
+
+
+@functools.cache
+def _pruned_int8_params():
+  """The target's decoder layer 1 alone, int8, as scripts/infer.py loads a checkpoint."""
+  pruned = draft_model.from_target_decoder(spec_tests._target_params(), (1,))['params']
+  return SharedEncoderDrafter(_PRUNED, TARGET.emb_dim, weights='int8').decoding_params(
+      kernel_layout.t5x_kernels(jax.device_get(pruned)))
+
+
 @functools.cache
 def _greedy_run(name, gamma, confidence_threshold=0.0):
   drafter, params = {
       'narrow': (SharedEncoderDrafter(NARROW, TARGET.emb_dim), _narrow_params()),
       'target_decoder': (SharedEncoderDrafter(TARGET, TARGET.emb_dim),
                          draft_model.from_target_decoder(spec_tests._target_params())),
+      'pruned_int8': (SharedEncoderDrafter(_PRUNED, TARGET.emb_dim, weights='int8'),
+                      _pruned_int8_params()),
   }[name]
   return speculative_generate(
       spec_tests._target_params(), params, spec_tests._encoder_tokens(),
@@ -96,6 +112,43 @@ def test_target_decoder_draft_computes_the_target_logits():
       draft_model.from_target_decoder(params), encoded, tokens, decoder_inputs)
   expected = jax.jit(T5(TARGET).apply)(params, tokens, decoder_inputs)
   np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_pruned_draft_is_the_named_target_layers_in_order():
+  params = spec_tests._target_params()
+  decoder = params['params']['decoder']
+  pruned = draft_model.from_target_decoder(params, (1, 0))['params']
+  assert 'encoder' not in pruned and set(pruned['decoder']) == set(decoder)
+  for i, layer in enumerate((1, 0)):
+    jax.tree_util.tree_map(np.testing.assert_array_equal, pruned['decoder'][f'layers_{i}'],
+                           decoder[f'layers_{layer}'])
+  jax.tree_util.tree_map(np.testing.assert_array_equal, pruned['decoder']['decoder_norm'],
+                         decoder['decoder_norm'])
+  only_last = draft_model.from_target_decoder(params, (1,))['params']['decoder']
+  assert sorted(n for n in only_last if n.startswith('layers_')) == ['layers_0']
+  for bad in [(), (2,), (0, 0)]:
+    with pytest.raises(ValueError, match='layers must name distinct target decoder layers'):
+      draft_model.from_target_decoder(params, bad)
+
+
+def test_int8_weights_quantize_every_step_matrix_but_the_encoding_projections():
+  flat = flax.traverse_util.flatten_dict(_pruned_int8_params()['params'], sep='/')
+  attention = 'decoder/layers_0/encoder_decoder_attention'
+  assert flat[f'{attention}/key/kernel_t'].dtype == np.float32
+  assert flat[f'{attention}/value/kernel_t'].dtype == np.float32
+  assert flat[f'{attention}/query/kernel_int8'].dtype == np.int8
+  assert flat['decoder/layers_0/mlp/wo/kernel_int8'].dtype == np.int8
+  assert not [p for p in flat if p.endswith('/kernel') or p.endswith('/kernel_t')
+              and 'encoder_decoder_attention/key' not in p
+              and 'encoder_decoder_attention/value' not in p]
+  with pytest.raises(ValueError, match="weights must be one of"):
+    SharedEncoderDrafter(_PRUNED, TARGET.emb_dim, weights='int4')
+
+
+def test_pruned_int8_draft_greedy_equals_baseline():
+  result = _greedy_run('pruned_int8', 3)
+  np.testing.assert_array_equal(result.output.tokens, spec_tests._baseline().tokens)
+  spec_tests._check_stats(result, 3)
 
 
 def test_projection_feeds_the_cross_attention():

@@ -4,7 +4,10 @@
   forced); the distillation loss equals the cross-entropy to the target's softmax,
   computed here in numpy from both models' teacher-forced logits.
 - A few steps on a fixed batch lower the loss; the target's parameters are untouched.
-- scripts/train_shared_encoder_draft.py resumes to the parameters of an unbroken run.
+- scripts/train_shared_encoder_draft.py resumes to the parameters of an unbroken run,
+  and trains a layer-pruned draft started from the target's own decoder layers (whose
+  params must not alias the target's: the step donates them) on a mix of references and
+  the target's greedy outputs for noised inputs.
 """
 
 import functools
@@ -14,6 +17,7 @@ import sys
 import gin
 import jax
 import numpy as np
+import pytest
 
 from jaxspec import shared_encoder_training, training
 from jaxspec.checkpoints import shared_encoder_draft as draft_checkpoints
@@ -99,7 +103,7 @@ def test_a_few_steps_lower_the_loss_and_leave_the_target_alone():
   assert float(nll) / float(count) < losses[0]
 
 
-def _parse(tmp_path, checkpoint_dir, num_steps):
+def _parse(tmp_path, checkpoint_dir, num_steps, extra=''):
   gin.clear_config()
   path = tmp_path / 'config.gin'
   path.write_text(f"""
@@ -117,7 +121,7 @@ train_shared_encoder_draft.eval_every = 2
 train_shared_encoder_draft.eval_examples = 8
 train_shared_encoder_draft.max_train_examples = 200
 train_shared_encoder_draft.log_every = 1000
-""")
+""" + extra)
   gin_flags.parse([f'--gin_file={path}'])
 
 
@@ -137,3 +141,34 @@ def test_script_resumes_to_the_same_parameters(tmp_path):
   actual = draft_checkpoints.load(interrupted / 'checkpoint_4', draft, target.emb_dim)
   jax.tree_util.tree_map(np.testing.assert_array_equal, actual, expected)
   assert 'encoder_projection' in actual and 'encoder' not in actual
+
+
+def test_script_trains_a_draft_started_from_target_layers(tmp_path):
+  # The tiny target's decoder (1 layer) as the draft, started from its layer 0.
+  layers = """
+train_shared_encoder_draft.model = @tiny_target/jaxspec.T5Config()
+train_shared_encoder_draft.init_from_target_layers = (0,)
+"""
+  layers += """
+train_shared_encoder_draft.data_mix = @jaxspec.DataMixConfig()
+jaxspec.DataMixConfig.references = 1.0
+jaxspec.DataMixConfig.target_greedy = 1.0
+train_shared_encoder_draft.input_noise = 0.2
+"""
+  _parse(tmp_path, tmp_path / 'pruned', 2, layers)
+  target = gin.query_parameter('train_shared_encoder_draft.target_model').scoped_configurable_fn()
+  target_params = init_params(target, jax.random.PRNGKey(0))
+  save_t5x_checkpoint(tmp_path / 'target', target_params, 1)
+  try:
+    _parse(tmp_path, tmp_path / 'pruned', 2, layers)
+    trained = train_script.train_shared_encoder_draft()
+    _parse(tmp_path, tmp_path / 'mismatch', 2, layers.replace('(0,)', '(0, 0)'))
+    with pytest.raises(ValueError, match='names 2 layers; the draft has num_decoder_layers=1'):
+      train_script.train_shared_encoder_draft()
+  finally:
+    gin.clear_config()
+  start = draft_model.from_target_decoder(target_params, (0,))['params']
+  moved = jax.tree_util.tree_map(lambda a, b: not np.array_equal(a, b), trained, start)
+  assert any(jax.tree_util.tree_leaves(moved['decoder']['layers_0']))
+  saved = draft_checkpoints.load(tmp_path / 'pruned' / 'checkpoint_2', target, target.emb_dim)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, saved, jax.device_get(trained))

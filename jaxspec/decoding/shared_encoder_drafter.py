@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from jaxspec.config import T5Config
 from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.t5_drafter import CachedDecoderDrafter
-from jaxspec.model import T5
+from jaxspec.model import T5, kernel_layout
+from jaxspec.model.quantization import int8_decoder
 from jaxspec.model.sharding import DRAFT
 from jaxspec.model.shared_encoder_draft import SharedEncoderDraft
 from jaxspec.sampling import SamplingConfig
+
+
+WEIGHTS = ('float32', 'int8')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +37,28 @@ class SharedEncoderDrafter(CachedDecoderDrafter):
 
   config: the draft decoder (vocabulary, width, heads, decoder layers, MLP); its
     encoder fields are unused. encoder_dim: the target's emb_dim.
+  weights: 'float32' (the checkpoint's weights as they are) or 'int8' (each per-step
+    matrix quantized when the checkpoint loads, jaxspec.model.quantization: a quarter
+    of the bytes a step reads; the cross-attention projections of the encoding stay
+    float32). `decoding_params` makes either from the checkpoint's tree.
   params: the draft's variables {'params': ...} (no encoder).
   """
   config: T5Config
   encoder_dim: int
+  weights: str = 'float32'
 
   def __post_init__(self):
     if self.encoder_dim < 1:
       raise ValueError(f'encoder_dim must be >= 1 (the target emb_dim), got {self.encoder_dim}')
+    if self.weights not in WEIGHTS:
+      raise ValueError(f'weights must be one of {WEIGHTS}, got {self.weights!r}')
+
+  def decoding_params(self, checkpoint_params):
+    """{'params'} to decode with, on the default device, from a checkpoint's 'params'
+    tree (T5X kernel layout): transposed for decoding, int8 where `weights` says so."""
+    if self.weights == 'int8':
+      return jax.device_put(int8_decoder({'params': checkpoint_params}))
+    return {'params': jax.device_put(kernel_layout.for_decoding(checkpoint_params))}
 
   @property
   def vocab_size(self) -> int:

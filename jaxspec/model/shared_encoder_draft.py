@@ -92,11 +92,24 @@ def abstract_params(config: T5Config, encoder_dim: int):
                         jax.random.PRNGKey(0))
 
 
-def from_target_decoder(target_params):
+def from_target_decoder(target_params, layers=None):
   """The draft made of a target's own decoder: {'params'} without the encoder subtree.
 
   With equal widths (no projection) this draft computes exactly the target's decoder,
-  which makes it a reference in tests and a starting point for training.
+  which makes it a reference in tests and a starting point for training. layers: the
+  target decoder layers to keep, in order (None: all); the draft's layer i is the
+  target's layers[i] (a layer-pruned draft, e.g. the first and last: (0, 5)).
   """
   params = target_params['params']
-  return {'params': {name: tree for name, tree in params.items() if name != 'encoder'}}
+  draft = {name: tree for name, tree in params.items() if name != 'encoder'}
+  if layers is None:
+    return {'params': draft}
+  decoder = draft['decoder']
+  available = sorted(int(name[len('layers_'):]) for name in decoder if name.startswith('layers_'))
+  if not layers or any(l not in available for l in layers) or len(set(layers)) != len(layers):
+    raise ValueError(f'layers must name distinct target decoder layers {available}, got '
+                     f'{tuple(layers)}')
+  pruned = {name: tree for name, tree in decoder.items() if not name.startswith('layers_')}
+  pruned.update({f'layers_{i}': decoder[f'layers_{l}'] for i, l in enumerate(layers)})
+  draft['decoder'] = pruned
+  return {'params': draft}
