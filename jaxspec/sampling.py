@@ -68,10 +68,26 @@ def adjusted_logits(logits, config: SamplingConfig):
   return _top_p_mask(_top_k_mask(logits, config.top_k), config.top_p)
 
 
+def argmax(x):
+  """jnp.argmax(x, axis=-1) as int32 [...]: the first index of the largest entry of
+  x [..., v], or of the first NaN where a row has one.
+
+  Computed as single-output reductions (the largest entry, then the first index holding
+  it), which XLA:CPU vectorizes; its fused (value, index) reduction took ~36 us over an
+  8000-way vocabulary row against ~7 us here, and ~220 us against ~70 us over the six
+  rows of a verify step.
+  """
+  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  nan = jnp.isnan(x)
+  hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan,
+                  x == jnp.max(x, axis=-1, keepdims=True))
+  return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
+
+
 def standardize(logits, config: SamplingConfig):
   """logits [..., v] -> the distribution actually sampled from, probs [..., v] float32."""
   if config.is_greedy:
-    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
   return jax.nn.softmax(adjusted_logits(logits, config), axis=-1)
 
 
@@ -88,7 +104,7 @@ def nonfinite_logits(logits):
 def sample_logits(rng, logits, config: SamplingConfig):
   """Draws tokens [...] from logits [..., v] under `config` (argmax when greedy)."""
   if config.is_greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax(logits)
   return jax.random.categorical(rng, adjusted_logits(logits, config)).astype(jnp.int32)
 
 
@@ -231,7 +247,7 @@ def greedy_verdict(draft_tokens, draft_probs, target_logits, num_drafts=None) ->
   without building [b, g+1, v] one-hots, residuals or random draws.
   """
   gamma = draft_tokens.shape[1]
-  target_tokens = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [b, g+1]
+  target_tokens = argmax(target_logits)  # [b, g+1]
   accept = draft_tokens == target_tokens[:, :gamma]  # [b, g]
   masked_probs = mask_unproposed(draft_probs, num_drafts)
   if num_drafts is not None:

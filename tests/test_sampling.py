@@ -227,6 +227,32 @@ def test_nonfinite_logits_flags_nan_and_plus_inf_not_masks(data, vocab):
   assert np.isfinite(probs).all()  # What is not flagged can be sampled from.
 
 
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(data=st.data(), vocab=st.integers(1, 12))
+def test_argmax_is_numpys_first_largest_or_first_nan(data, vocab):
+  # The first largest entry, the first NaN if any: numpy's argmax and jnp.argmax, which
+  # it replaces. (Subnormals are left out: XLA:CPU flushes them to zero.)
+  values = st.sampled_from([0.0, 1.0, -1.0, 2.5, np.inf, -np.inf, np.nan])
+  rows = data.draw(hnp.arrays(np.float32, (3, 2, vocab), elements=st.one_of(
+      values, st.floats(-4, 4, width=32, allow_subnormal=False))))
+  tokens = np.asarray(jax.jit(sampling.argmax)(jnp.asarray(rows)))
+  assert tokens.dtype == np.int32
+  np.testing.assert_array_equal(tokens, np.argmax(rows, axis=-1))
+  np.testing.assert_array_equal(tokens, jax.jit(lambda x: jnp.argmax(x, axis=-1))(rows))
+
+
+def test_argmax_on_a_vocabulary_row_with_ties_nan_and_infinities():
+  row = np.random.default_rng(0).standard_normal((5, 8000)).astype(np.float32)
+  row[0, [17, 4000]] = 9.0  # a tie: the first
+  row[1, 7999] = np.inf
+  row[2, [3, 5000]] = np.nan  # the first NaN, though larger entries follow
+  row[2, 6000] = np.inf
+  row[3] = -np.inf
+  expected = [17, 7999, 3, 0, int(np.argmax(row[4]))]
+  np.testing.assert_array_equal(jax.jit(sampling.argmax)(jnp.asarray(row)), expected)
+  np.testing.assert_array_equal(jnp.argmax(jnp.asarray(row), axis=-1), expected)
+
+
 def test_sample_logits_draws_from_standardized_distribution():
   logits = jnp.log(jnp.array([0.4, 0.25, 0.2, 0.1, 0.05]))
   config = SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)

@@ -36,7 +36,7 @@ from jaxspec import validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common
 from jaxspec.model import T5, rollback
-from jaxspec.sampling import (MIN_TEMPERATURE, SamplingConfig, nonfinite_logits,
+from jaxspec.sampling import (MIN_TEMPERATURE, SamplingConfig, argmax, nonfinite_logits,
                               sample_logits, token_log_probs)
 
 # T5X's constants: masked logits are set to -1e7; the temperature floor is a float64
@@ -145,7 +145,7 @@ def _draw(logits, key, temperature, topk, topp, rescale_log_probs: bool, per_row
   `_top_p_mask` take them. At temperature <= MIN_TEMPERATURE: argmax, log-prob 0 when
   rescaled (T5X ignores topk/topp there).
   """
-  greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy_tokens = argmax(logits)
   if rescale_log_probs:
     greedy_log_probs = jnp.zeros(greedy_tokens.shape, jnp.float32)
   else:

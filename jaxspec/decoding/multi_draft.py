@@ -56,7 +56,7 @@ import jax.numpy as jnp
 
 from jaxspec.decoding.drafter import DraftContext, Drafter
 from jaxspec.model import DecodeTree, DecoderCache
-from jaxspec.sampling import (SamplingConfig, acceptance_probability, acceptance_rate,
+from jaxspec.sampling import (SamplingConfig, acceptance_probability, acceptance_rate, argmax,
                               gather_probs, residual_distribution, sample_probs)
 
 
@@ -227,7 +227,7 @@ def greedy_tree_verdict(drafts, draft_probs, target_logits) -> MultiDraftVerdict
   """
   batch, num_drafts, gamma = drafts.shape
   rows = jnp.arange(batch)
-  target_tokens = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [b, k, g+1]
+  target_tokens = argmax(target_logits)  # [b, k, g+1]
   matches = drafts == target_tokens[:, :, :gamma]  # [b, k, g]
   run = jnp.sum(jnp.cumprod(matches, axis=2), axis=2).astype(jnp.int32)  # [b, k]
   branch = jnp.argmax(run, axis=1).astype(jnp.int32)  # [b]

@@ -11,7 +11,7 @@ from jaxspec.config import T5Config
 from jaxspec.decoding.drafter import DraftContext, draft_confidence, draw_tokens
 from jaxspec.model import T5, DecoderCache, repeat_rows, rollback
 from jaxspec.model.sharding import DRAFT
-from jaxspec.sampling import SamplingConfig, standardize
+from jaxspec.sampling import SamplingConfig, argmax, standardize
 
 
 class CachedDecoderDrafter:
@@ -161,7 +161,7 @@ def propose_top_branches_from_decoder(decode, cache: DecoderCache, context: Draf
   def step(carry, _):
     cache, token = carry  # token [b k]
     logits, cache = decode(token[:, None], cache)
-    next_token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    next_token = argmax(logits[:, 0])
     return (cache, next_token), next_token
 
   first = first.reshape(-1).astype(jnp.int32)  # [b k]
