@@ -22,6 +22,11 @@ CPU_MATMUL_XLA = 'xla'
 CPU_MATMULS = (CPU_MATMUL_KERNEL, CPU_MATMUL_XLA)
 
 
+# Metadata of a dataclass field added after runs were recorded: run settings
+# (inference.describe) leave it out at its default, so earlier records keep their
+# fingerprint.
+OMIT_AT_DEFAULT = {'settings': 'omit at default'}
+
 @dataclasses.dataclass(frozen=True)
 class T5Config:
   """Architecture and numerics of a T5 encoder-decoder."""

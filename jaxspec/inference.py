@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxspec.checkpoints import t5x as t5x_checkpoints
-from jaxspec.config import T5Config
+from jaxspec.config import OMIT_AT_DEFAULT, T5Config
 from jaxspec.data import corpora
 from jaxspec.model import kernel_layout
 
@@ -210,12 +210,21 @@ def checkpoint_identity(path: str) -> dict:
   return identity
 
 
+def _described_fields(value):
+  for f in dataclasses.fields(value):
+    current = getattr(value, f.name)
+    if f.metadata.get('settings') == OMIT_AT_DEFAULT['settings'] and current == f.default:
+      continue
+    yield f.name, current
+
+
 def describe(value):
   """A JSON-able description of a setting: dataclasses as {'class', fields...}
-  (recursively), tuples as lists, other objects by repr."""
+  (recursively; fields marked OMIT_AT_DEFAULT only where they differ from their
+  default), tuples as lists, other objects by repr."""
   if dataclasses.is_dataclass(value) and not isinstance(value, type):
     return {'class': type(value).__name__,
-            **{f.name: describe(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+            **{name: describe(field) for name, field in _described_fields(value)}}
   if isinstance(value, (list, tuple)):
     return [describe(v) for v in value]
   if isinstance(value, dict):

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxspec.config import OMIT_AT_DEFAULT
 from jaxspec.decoding.shared_encoder_drafter import SharedEncoderDrafter
 from jaxspec.model.cache import DecoderCache, LayerCache
 from jaxspec.model.quantization import int8_decoder
@@ -36,12 +37,15 @@ class Int8Drafter(SharedEncoderDrafter):
   """The target's decoder in int8 as a draft.
 
   config: the TARGET's T5Config (the draft has its decoder's shape); encoder_dim
-    defaults to, and must equal, config.emb_dim.
+    defaults to, and must equal, config.emb_dim. weights: always 'int8'.
   params: `draft_params(target_params)`.
   """
   encoder_dim: int = 0
+  weights: str = dataclasses.field(default='int8', metadata=OMIT_AT_DEFAULT)
 
   def __post_init__(self):
+    if self.weights != 'int8':
+      raise ValueError(f"an int8 draft has int8 weights; got weights={self.weights!r}")
     if self.encoder_dim == 0:
       object.__setattr__(self, 'encoder_dim', self.config.emb_dim)
     if self.encoder_dim != self.config.emb_dim:

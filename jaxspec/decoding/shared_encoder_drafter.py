@@ -18,7 +18,7 @@ import dataclasses
 
 import jax
 
-from jaxspec.config import T5Config
+from jaxspec.config import OMIT_AT_DEFAULT, T5Config
 from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.t5_drafter import CachedDecoderDrafter
 from jaxspec.model import T5, kernel_layout
@@ -45,7 +45,7 @@ class SharedEncoderDrafter(CachedDecoderDrafter):
   """
   config: T5Config
   encoder_dim: int
-  weights: str = 'float32'
+  weights: str = dataclasses.field(default='float32', metadata=OMIT_AT_DEFAULT)
 
   def __post_init__(self):
     if self.encoder_dim < 1:
