@@ -27,6 +27,7 @@ CPU_MATMULS = (CPU_MATMUL_KERNEL, CPU_MATMUL_XLA)
 # fingerprint.
 OMIT_AT_DEFAULT = {'settings': 'omit at default'}
 
+
 @dataclasses.dataclass(frozen=True)
 class T5Config:
   """Architecture and numerics of a T5 encoder-decoder."""

@@ -96,13 +96,12 @@ def train_shared_encoder_draft(
                      f'{model.vocab_size} embeddings')
   train_pairs = train_script._encoded_pairs(corpus, 'train', vocab, input_length,
                                             target_length, max_train_examples)
-  eval_batches = training.epoch_batches(
-      train_script._encoded_pairs(corpus, 'validation', vocab, input_length, target_length,
-                                  eval_examples), batch_size, seed, 0, length_quantum)
+  eval_pairs = train_script._encoded_pairs(corpus, 'validation', vocab, input_length,
+                                           target_length, eval_examples)
+  eval_batches = training.epoch_batches(eval_pairs, batch_size, seed, 0, length_quantum)
   tx = training.make_optimizer(optimizer, num_steps)
   target_params = inference.load_model_params(target_checkpoint, target_model)
-  eval_inputs = [ids for ids, _ in train_script._encoded_pairs(
-      corpus, 'validation', vocab, input_length, target_length, eval_examples)]
+  eval_inputs = [ids for ids, _ in eval_pairs]
   eval_target_batches = training.epoch_batches(
       list(zip(eval_inputs, distillation.greedy_targets(target_params, target_model, eval_inputs,
                                                         target_length, quantum=length_quantum))),
@@ -115,7 +114,8 @@ def train_shared_encoder_draft(
                      f'the draft has num_decoder_layers={model.num_decoder_layers}')
   if init_from_target_decoder or init_from_target_layers:
     params = shared_encoder_draft.from_target_decoder(
-        target_params, init_from_target_layers and tuple(init_from_target_layers))['params']
+        target_params,
+        tuple(init_from_target_layers) if init_from_target_layers else None)['params']
     # Own buffers: the training step donates the draft's params, never the target's.
     params = jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True), params)
     draft_checkpoints.check_params(params, model, encoder_dim)

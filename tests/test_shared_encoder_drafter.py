@@ -138,9 +138,9 @@ def test_int8_weights_quantize_every_step_matrix_but_the_encoding_projections():
   assert flat[f'{attention}/value/kernel_t'].dtype == np.float32
   assert flat[f'{attention}/query/kernel_int8'].dtype == np.int8
   assert flat['decoder/layers_0/mlp/wo/kernel_int8'].dtype == np.int8
-  assert not [p for p in flat if p.endswith('/kernel') or p.endswith('/kernel_t')
-              and 'encoder_decoder_attention/key' not in p
-              and 'encoder_decoder_attention/value' not in p]
+  assert not [p for p in flat if p.endswith('/kernel') or (
+      p.endswith('/kernel_t') and 'encoder_decoder_attention/key' not in p
+      and 'encoder_decoder_attention/value' not in p)]
   with pytest.raises(ValueError, match="weights must be one of"):
     SharedEncoderDrafter(_PRUNED, TARGET.emb_dim, weights='int4')
 
