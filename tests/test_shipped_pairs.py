@@ -16,7 +16,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
 import gin_flags  # noqa: E402
-import infer as infer_script  # noqa: E402,F401  (registers `infer` with gin)
 import jaxspec.configurables  # noqa: E402,F401  (registers the dataclasses with gin)
 from jaxspec.checkpoints import shared_encoder_draft as shared_encoder_draft_checkpoints  # noqa: E402
 from jaxspec.checkpoints.t5x import load_t5x_checkpoint  # noqa: E402
@@ -72,22 +71,14 @@ def test_shipped_encoder_sharing_draft_loads_over_the_45m_target():
   assert round(_parameter_count(params) / 1e4) == round(0.71e6 / 1e4)
 
 
-@pytest.mark.parametrize('name', sorted(MAIN_JOBS) + ['ende45m_local'])
-def test_shipped_records_describe_the_configured_drafter_as_stored(name):
-  # A drafter field added later must not change the settings of shipped runs, or their
-  # launcher refuses to resume them (inference.SettingsChanged). (The beam runs'
-  # records predate T5Config.cpu_matmul and are rerun, not resumed.)
-  with open(os.path.join(REPO, 'results', 'infer', name, 'settings.json')) as f:
-    stored = json.load(f)['settings']
-  gin_flags.parse([f'--gin_file=configs/infer/{name}.gin'])
-  drafter = gin.query_parameter('infer.drafter').scoped_configurable_fn()
-  assert inference.describe(drafter) == stored['drafter']
-
-
 def test_fields_added_later_are_left_out_of_settings_at_their_default():
+  # A drafter field added later must not change the settings recorded by earlier runs
+  # (users' output directories), or the launcher refuses to resume them
+  # (inference.SettingsChanged): the drafters describe themselves as before.
   config = get_config('test_tiny_1_1')
   plain = inference.describe(SharedEncoderDrafter(config, config.emb_dim))
-  assert 'weights' not in plain and plain['encoder_dim'] == config.emb_dim
+  assert set(plain) == {'class', 'config', 'encoder_dim'}
+  assert set(inference.describe(Int8Drafter(config))) == {'class', 'config', 'encoder_dim'}
   assert inference.describe(SharedEncoderDrafter(config, config.emb_dim, weights='int8'))[
       'weights'] == 'int8'
   assert 'weights' not in inference.describe(Int8Drafter(config))
