@@ -84,6 +84,14 @@ def argmax(x):
   return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
 
 
+def categorical(rng, logits):
+  """jax.random.categorical(rng, logits) over the last axis, draw for draw: the same
+  Gumbel noise from the key added to logits [..., v], then the first largest entry by
+  `argmax` instead of XLA:CPU's fused (value, index) reduction (~0.2 ms a draw over an
+  8000-way row in a draft step, most of a sampled step's work besides its matmuls)."""
+  return argmax(jax.random.gumbel(rng, logits.shape, logits.dtype) + logits)
+
+
 def standardize(logits, config: SamplingConfig):
   """logits [..., v] -> the distribution actually sampled from, probs [..., v] float32."""
   if config.is_greedy:
@@ -105,13 +113,13 @@ def sample_logits(rng, logits, config: SamplingConfig):
   """Draws tokens [...] from logits [..., v] under `config` (argmax when greedy)."""
   if config.is_greedy:
     return argmax(logits)
-  return jax.random.categorical(rng, adjusted_logits(logits, config)).astype(jnp.int32)
+  return categorical(rng, adjusted_logits(logits, config))
 
 
 def sample_probs(rng, probs):
   """Draws tokens [...] from probabilities [..., v] (zero entries are never drawn)."""
   safe_log = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
-  return jax.random.categorical(rng, safe_log).astype(jnp.int32)
+  return categorical(rng, safe_log)
 
 
 def token_log_probs(logits, tokens, config: SamplingConfig, rescale: bool = True):

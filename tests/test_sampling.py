@@ -253,6 +253,22 @@ def test_argmax_on_a_vocabulary_row_with_ties_nan_and_infinities():
   np.testing.assert_array_equal(jnp.argmax(jnp.asarray(row), axis=-1), expected)
 
 
+def test_categorical_draws_what_jax_random_categorical_draws():
+  # Draw for draw, key by key: the same Gumbel noise and the first largest index, masked
+  # (-inf) entries never drawn, the first NaN where a row has one, under jit and vmap.
+  logits = np.random.default_rng(1).standard_normal((64, 8000)).astype(np.float32) * 3
+  logits[:, ::7] = -np.inf
+  logits[5, [11, 900]] = np.nan
+  keys = jax.random.split(jax.random.key(2), 64)
+  ours = jax.jit(jax.vmap(sampling.categorical))(keys, logits)
+  np.testing.assert_array_equal(ours, jax.jit(jax.vmap(jax.random.categorical))(keys, logits))
+  assert ours.dtype == np.int32 and int(ours[5]) == 11
+  assert not np.any(np.asarray(ours)[np.arange(64) != 5] % 7 == 0)
+  key = jax.random.key(3)
+  np.testing.assert_array_equal(sampling.categorical(key, logits[:4]),
+                                jax.random.categorical(key, logits[:4]))
+
+
 def test_sample_logits_draws_from_standardized_distribution():
   logits = jnp.log(jnp.array([0.4, 0.25, 0.2, 0.1, 0.05]))
   config = SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)

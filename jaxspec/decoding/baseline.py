@@ -4,8 +4,8 @@
 `t5x/decoding.py`): the same arguments, the same loop state (`SamplingLoopState`,
 `DecodingState`, T5X's field names and shapes) and the same results. Given T5X's
 arguments it draws the same tokens from the same key: one PRNG key split every step and
-`jax.random.categorical` over the whole flattened batch. Prompts are forced tokens (non-zero
-inputs), `initial_index` starts rows at uneven prompt lengths after a prefilled cache,
+`jax.random.categorical`'s draw over the whole flattened batch (`sampling.categorical`,
+draw for draw). Prompts are forced tokens (non-zero inputs), `initial_index` starts rows at uneven prompt lengths after a prefilled cache,
 temperature / topk / topp may be traced or per input row, callbacks see and edit the
 loop state, `num_decodes` flattens the batch as [batch * num_decodes] (each input's
 copies adjacent) in the inputs and the cache. Places where T5X's behaviour looks
@@ -36,8 +36,8 @@ from jaxspec import validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common
 from jaxspec.model import T5, rollback
-from jaxspec.sampling import (MIN_TEMPERATURE, SamplingConfig, argmax, nonfinite_logits,
-                              sample_logits, token_log_probs)
+from jaxspec.sampling import (MIN_TEMPERATURE, SamplingConfig, argmax, categorical,
+                              nonfinite_logits, sample_logits, token_log_probs)
 
 # T5X's constants: masked logits are set to -1e7; the temperature floor is a float64
 # numpy scalar there, which fixes how the division below rounds and promotes.
@@ -162,14 +162,14 @@ def _draw(logits, key, temperature, topk, topp, rescale_log_probs: bool, per_row
   if _is_nonzero(topp):  # T5X: a traced topp is always applied, even when it is 0.
     scaled = _top_p_mask(scaled, topp)
   if per_row_keys:
-    tokens = jax.vmap(jax.random.categorical)(key, scaled)
+    tokens = jax.vmap(categorical)(key, scaled)
   elif temperature.ndim:
     # T5X quirk: with one temperature per row T5X samples each row on its own with the
     # SAME key, so rows with equal logits (the num_decodes copies of an input) draw
     # equal tokens. Matched: every row reuses `key` for a [1, v] draw.
-    tokens = jax.vmap(lambda row: jax.random.categorical(key, row[None])[0])(scaled)
+    tokens = jax.vmap(lambda row: categorical(key, row[None])[0])(scaled)
   else:
-    tokens = jax.random.categorical(key, scaled)
+    tokens = categorical(key, scaled)
   tokens = tokens.astype(jnp.int32)
   log_probs = _gather(jax.nn.log_softmax(scaled if rescale_log_probs else logits), tokens)
   if static:

@@ -40,7 +40,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxspec.sampling import SamplingConfig, sample_probs
+from jaxspec.sampling import SamplingConfig, argmax, sample_probs
 
 
 @flax.struct.dataclass
@@ -125,5 +125,5 @@ def propose_with_confidence(drafter: Drafter, params, state, context: DraftConte
 def draw_tokens(keys, probs, sampling: SamplingConfig):
   """keys [b], probs [b, v] -> tokens [b] (argmax of a one-hot when greedy)."""
   if sampling.is_greedy:
-    return jnp.argmax(probs, axis=-1).astype(jnp.int32)
+    return argmax(probs)
   return jax.vmap(sample_probs)(keys, probs)
