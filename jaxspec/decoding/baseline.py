@@ -7,9 +7,9 @@ arguments it draws the same tokens from the same key: one PRNG key split every s
 `jax.random.categorical`'s draw over the whole flattened batch (`sampling.categorical`,
 draw for draw). Prompts are forced tokens (non-zero inputs), `initial_index` starts rows
 at uneven prompt lengths after a prefilled cache, temperature / topk / topp may be traced
-or per input row, callbacks see and edit the
-loop state, `num_decodes` flattens the batch as [batch * num_decodes] (each input's
-copies adjacent) in the inputs and the cache. Places where T5X's behaviour looks
+or per input row, callbacks see and edit the loop state, `num_decodes` flattens the
+batch as [batch * num_decodes] (each input's copies adjacent) in the inputs and the
+cache. Places where T5X's behaviour looks
 unintended are matched and marked "T5X quirk" below.
 
 jaxspec extension: `decode_rng` may hold one key per decoded row
