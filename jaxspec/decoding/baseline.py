@@ -9,8 +9,8 @@ draw for draw). Prompts are forced tokens (non-zero inputs), `initial_index` sta
 at uneven prompt lengths after a prefilled cache, temperature / topk / topp may be traced
 or per input row, callbacks see and edit the loop state, `num_decodes` flattens the
 batch as [batch * num_decodes] (each input's copies adjacent) in the inputs and the
-cache. Places where T5X's behaviour looks
-unintended are matched and marked "T5X quirk" below.
+cache. Places where T5X's behaviour looks unintended are matched and marked "T5X quirk"
+below.
 
 jaxspec extension: `decode_rng` may hold one key per decoded row
 ([batch * num_decodes]); row r then samples step i with fold_in(key_r, i), so its
@@ -171,7 +171,6 @@ def _draw(logits, key, temperature, topk, topp, rescale_log_probs: bool, per_row
     tokens = jax.vmap(lambda row: categorical(key, row[None])[0])(scaled)
   else:
     tokens = categorical(key, scaled)
-  tokens = tokens.astype(jnp.int32)
   log_probs = _gather(jax.nn.log_softmax(scaled if rescale_log_probs else logits), tokens)
   if static:
     return tokens, log_probs
