@@ -16,6 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxspec import prng
+
 MIN_TEMPERATURE = 1e-4  # At or below this temperature sampling is argmax, as in T5X.
 NEG_INF = -1e10
 
@@ -86,10 +88,11 @@ def argmax(x):
 
 def categorical(rng, logits):
   """jax.random.categorical(rng, logits) over the last axis, draw for draw: the same
-  Gumbel noise from the key added to logits [..., v], then the first largest entry by
-  `argmax` instead of XLA:CPU's fused (value, index) reduction (~0.2 ms a draw over an
-  8000-way row in a draft step, most of a sampled step's work besides its matmuls)."""
-  return argmax(jax.random.gumbel(rng, logits.shape, logits.dtype) + logits)
+  Gumbel noise from the key (`prng.gumbel`, its threefry rounds unrolled) added to
+  logits [..., v], then the first largest entry by `argmax` instead of XLA:CPU's fused
+  (value, index) reduction (~0.2 ms a draw over an 8000-way row in a draft step, most of
+  a sampled step's work besides its matmuls)."""
+  return argmax(prng.gumbel(rng, logits.shape, logits.dtype) + logits)
 
 
 def standardize(logits, config: SamplingConfig):
