@@ -176,7 +176,7 @@ def test_greedy_multi_draft_equals_baseline(num_drafts, gamma, drafter_name):
   np.testing.assert_array_equal(result.output.lengths, baseline.lengths)
   spec_tests._assert_padded_after_eos(result.output)
   spec_tests._check_stats(result, gamma)
-  spec_tests._check_trace(result, gamma)
+  spec_tests._check_trace(result, gamma, cut_at_eos=False)
   counts = np.asarray(result.stats.num_accepted_counts)
   assert counts[0] > 0 and counts[1:].sum() > 0  # Corrections and acceptances both ran.
   if drafter_name == 'random':
@@ -406,7 +406,7 @@ def test_sampled_multi_draft_matches_exact_distribution(name):
                              *spec_tests._exact_joint('target', sampling, length))
   spec_tests._assert_padded_after_eos(result.output)
   spec_tests._check_stats(result, gamma)
-  spec_tests._check_trace(result, gamma)
+  spec_tests._check_trace(result, gamma, cut_at_eos=False)
   counts = np.asarray(result.stats.num_accepted_counts)
   assert counts[0] > 0 and counts[gamma] > 0  # Both the residual and the bonus path ran.
 

@@ -128,13 +128,18 @@ def _check_stats(result, gamma):
   batch = lengths.shape[0]
   # The loop runs while some row is active, so the longest-running row saw every call.
   assert int(stats.target_calls) == row_calls.max()
-  assert int(stats.draft_calls) == int(stats.target_calls) * gamma
+  # Each call proposes 1..gamma drafts (fewer once every row has drafted EOS).
+  assert int(stats.target_calls) <= int(stats.draft_calls) <= int(stats.target_calls) * gamma
   # One verdict per (row, iteration) with the row active: no step decodes without drafts.
   assert counts.sum() == row_calls.sum()
   # Draft i is accepted exactly when n > i; positions 0..min(n, g-1) are verified.
   np.testing.assert_array_equal(accepted, [counts[i + 1:].sum() for i in range(gamma)])
-  assert int(stats.verified_positions) == sum(
-      min(n + 1, gamma) * counts[n] for n in range(gamma + 1))
+  # A proposal cut at a drafted EOS verifies up to its length (_check_trace counts it).
+  whole_proposals = sum(min(n + 1, gamma) * counts[n] for n in range(gamma + 1))
+  if np.asarray(stats.num_drafted_counts)[:gamma].sum() == 0:
+    assert int(stats.verified_positions) == whole_proposals
+  else:
+    assert accepted.sum() <= int(stats.verified_positions) <= whole_proposals
   # Every active call commits 1..g+1 tokens, the first call included.
   assert np.all(lengths >= row_calls)
   assert np.all(lengths <= row_calls * (gamma + 1))
@@ -189,7 +194,8 @@ def test_greedy_self_draft_accepts_every_draft(gamma):
   _check_stats(result, gamma)
   stats = result.stats
   assert float(stats.alpha) == 1.0
-  np.testing.assert_array_equal(stats.num_accepted_counts[:gamma], 0)
+  # Every proposed draft is accepted: proposals are gamma long, or end at a drafted EOS.
+  np.testing.assert_array_equal(stats.num_accepted_counts, stats.num_drafted_counts)
   assert int(stats.num_accepted_counts[gamma]) > 0
   # Each call commits gamma + 1 tokens, the first included, up to EOS or the end.
   lengths = np.asarray(result.output.lengths)
@@ -760,8 +766,10 @@ def _rebuild_from_trace(trace, row):
   return tokens
 
 
-def _check_trace(result, gamma):
-  """The trace rebuilds every row's output and agrees with the statistics."""
+def _check_trace(result, gamma, adaptive=False, cut_at_eos=True):
+  """The trace rebuilds every row's output and agrees with the statistics. A row's
+  proposal ends at its first drafted EOS (cut_at_eos; multi-draft trees keep gamma) and,
+  with adaptive gamma, may end sooner."""
   trace = jax.tree_util.tree_map(np.asarray, result.trace)
   tokens, lengths = np.asarray(result.output.tokens), np.asarray(result.output.lengths)
   for row in range(tokens.shape[0]):
@@ -769,6 +777,17 @@ def _check_trace(result, gamma):
   active = trace.committed > 0  # [b, L] iterations where the row committed
   drafted, accepted = trace.num_drafts[active], trace.num_accepted[active]
   assert np.all((drafted >= 1) & (drafted <= gamma) & (accepted <= drafted))
+  if cut_at_eos:
+    proposals = trace.drafts[active]  # [n, g]
+    before_last = np.arange(gamma)[None, :] < drafted[:, None] - 1
+    assert not np.any((proposals == EOS_ID) & before_last), 'drafts counted past an EOS'
+    last = proposals[np.arange(len(drafted)), drafted - 1]
+    if not adaptive:
+      np.testing.assert_array_equal(last[drafted < gamma], EOS_ID)
+  elif not adaptive:
+    np.testing.assert_array_equal(drafted, gamma)
+  # The draft steps of an iteration: the most drafts a decoding row proposed.
+  assert int(result.stats.draft_calls) == trace.num_drafts.max(axis=0).sum()
   stats = result.stats
   np.testing.assert_array_equal(stats.num_drafted_counts,
                                 np.bincount(drafted, minlength=gamma + 1))
@@ -791,7 +810,7 @@ def test_greedy_options_equal_baseline(option):
   result = _option_greedy_run(option, 'near_copy')
   np.testing.assert_array_equal(result.output.tokens, _baseline().tokens)
   _assert_padded_after_eos(result.output)
-  _check_trace(result, 3)
+  _check_trace(result, 3, adaptive='adaptive' in option)
   if option == 'block':
     # Greedy block verification keeps exactly token-wise verification's prefix.
     _assert_same_stats(result.stats, _greedy_run('near_copy', 3).stats)
@@ -823,14 +842,14 @@ def test_sampled_options_match_exact_distribution(name):
   result, sampling, gamma, length = _sampled_option_run(name)
   _assert_matches(result.output.tokens, *_exact_joint('target', sampling, length))
   _assert_padded_after_eos(result.output)
-  _check_trace(result, gamma)
+  _check_trace(result, gamma, adaptive='adaptive' in name)
   counts = np.asarray(result.stats.num_accepted_counts)
   assert counts[0] > 0 and counts[gamma] > 0
   drafted = np.asarray(result.stats.num_drafted_counts)
   if 'adaptive' in name:  # Rows stopped at every length, including the full gamma.
     assert np.all(drafted[1:] > 1000), drafted
-  else:
-    np.testing.assert_array_equal(drafted[:gamma], 0)
+  else:  # Proposals shorter than gamma end at a drafted EOS (_check_trace).
+    assert drafted[0] == 0 and drafted[gamma] > 0, drafted
 
 
 def test_sampled_block_accepts_more_than_token_wise():

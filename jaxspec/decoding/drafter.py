@@ -49,6 +49,9 @@ class DraftContext:
   tokens: jax.Array  # [b, max_decode_length] committed output tokens, 0 past `length`
   length: jax.Array  # [b] int32 >= 0, number of committed tokens
   encoder_tokens: jax.Array  # [b, s] int32, 0 = padding
+  # Set by callers that cut each row's proposal at its first drafted EOS (drafts after
+  # it can never be committed): a drafter may then stop drafting a row there.
+  eos_id: int | None = flax.struct.field(pytree_node=False, default=None)
 
   def last_two_inputs(self):
     """[b, 2]: decoder inputs x_{length-1}, x_length (x_0 is the start token 0); at
@@ -60,6 +63,24 @@ class DraftContext:
   def last_input(self):
     """[b]: x_length, the input whose next token the drafter proposes first."""
     return self.last_two_inputs()[:, 1]
+
+  def finished(self):
+    """[b] bool: rows whose decode has ended (a committed EOS, with eos_id set, or a
+    full buffer); what is drafted for them is never judged."""
+    full = self.length >= self.tokens.shape[1]
+    if self.eos_id is None:
+      return full
+    return full | ((self.length > 0) & (self.last_input() == self.eos_id))
+
+
+def drafts_through_eos(drafts, eos_id: int):
+  """drafts [b, g] -> [b] int32: the drafts up to and including each row's first EOS
+  (g without one). The rest can never be committed, so callers that set
+  DraftContext.eos_id treat them as not proposed."""
+  gamma = drafts.shape[1]
+  is_eos = drafts == eos_id
+  return jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1,
+                   gamma).astype(jnp.int32)
 
 
 class Drafter(Protocol):
@@ -79,7 +100,9 @@ class Drafter(Protocol):
               sampling: SamplingConfig, keys) -> tuple[jax.Array, jax.Array, Any]:
     """-> draft tokens [b, gamma] int32, their q [b, gamma, v] float32, new state.
 
-    keys [b]: one PRNG key per row for this iteration.
+    keys [b]: one PRNG key per row for this iteration. With context.eos_id set, the
+    positions after a row's first drafted EOS, and after the first draft of a row
+    context.finished() names, may come back undrafted (token 0, q 0).
     """
 
 

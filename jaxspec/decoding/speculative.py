@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jaxspec import block_verification, validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common, multi_draft
-from jaxspec.decoding.drafter import (DraftContext, Drafter, init_drafter_state,
-                                      propose_with_confidence)
+from jaxspec.decoding.drafter import (DraftContext, Drafter, drafts_through_eos,
+                                      init_drafter_state, propose_with_confidence)
 from jaxspec.model import T5, DecoderCache, rollback
 from jaxspec.sampling import (SamplingConfig, gather_probs, greedy_verdict, mask_unproposed,
                               nonfinite_logits, speculative_verdict, standardize)
@@ -97,14 +97,17 @@ class SpeculativeConfig:
 class SpeculativeStats:
   """Per-call statistics; arrays with a batch axis are per row."""
   target_calls: jax.Array  # [] target decode steps run (one per iteration)
-  draft_calls: jax.Array  # [] drafter proposals run, times gamma (draft decode steps)
+  # [] drafts proposed: per iteration the most any decoding row proposed (a T5
+  # drafter's decode steps; gamma unless rows stopped at EOS or adaptive gamma).
+  draft_calls: jax.Array
   row_target_calls: jax.Array  # [b] target steps while the row was still decoding
   accepted_per_position: jax.Array  # [g] times the draft at position i was accepted
   num_accepted_counts: jax.Array  # [g+1] iterations that accepted n = 0..g drafts
   overlap_sum: jax.Array  # [] sum over verified positions of sum_x min(p, q)
   verified_positions: jax.Array  # [] number of verified drafted positions
-  # [g+1] iterations in which a row proposed k = 0..g drafts (always g unless
-  # draft_confidence_threshold > 0); sum_k k * counts[k] drafts were proposed.
+  # [g+1] iterations in which a row proposed k = 0..g drafts (g unless it drafted EOS
+  # before position g, or draft_confidence_threshold > 0); sum_k k * counts[k] drafts
+  # were proposed.
   num_drafted_counts: jax.Array
 
   @property
@@ -259,18 +262,20 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
   model = T5(target_config)
   draft_keys, verdict_keys = _iteration_keys(state)
 
+  # Drafts after a row's first drafted EOS are never committed: the drafter may stop
+  # there, and they count as not proposed.
   context = DraftContext(tokens=state.tokens, length=state.length,
-                         encoder_tokens=encoder_tokens)
-  num_drafts = None  # [b] with adaptive gamma: each row's own drafts.
+                         encoder_tokens=encoder_tokens, eos_id=eos_id)
   if spec.draft_confidence_threshold > 0.0:
     drafts, draft_probs, confidence, drafter_state = propose_with_confidence(
         drafter, drafter_params, state.drafter_state, context, gamma, sampling, draft_keys,
         spec.draft_confidence_threshold)
-    num_drafts = _num_drafts(confidence, spec.draft_confidence_threshold)
+    num_drafts = jnp.minimum(_num_drafts(confidence, spec.draft_confidence_threshold),
+                             drafts_through_eos(drafts, eos_id))
   else:
     drafts, draft_probs, drafter_state = drafter.propose(
         drafter_params, state.drafter_state, context, gamma, sampling, draft_keys)
-  drafted = jnp.full(drafts.shape[:1], gamma, jnp.int32) if num_drafts is None else num_drafts
+    num_drafts = drafts_through_eos(drafts, eos_id)  # [b] each row's proposed drafts
 
   # Verify: x_length (the last committed token) and the drafts, at the row's offset.
   last_token = context.last_input()[:, None]  # [b, 1]
@@ -283,7 +288,7 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
   verdict = _verdict(verdict_keys, drafts, draft_probs, logits, target_probs, num_drafts,
                      spec=spec, sampling=sampling)
   nonfinite = _nonfinite_positions(logits, mask_unproposed(draft_probs, num_drafts))
-  return _settle(state, drafts, drafted, nonfinite, target_probs, verdict, drafter_state,
+  return _settle(state, drafts, num_drafts, nonfinite, target_probs, verdict, drafter_state,
                  target_cache, gamma=gamma, sampling=sampling, eos_id=eos_id)
 
 
@@ -365,7 +370,7 @@ def _settle(state: _LoopState, drafts, drafted, nonfinite, target_probs, verdict
   accepted = (positions < n[:, None]) & active[:, None]
   stats = stats.replace(
       target_calls=stats.target_calls + 1,
-      draft_calls=stats.draft_calls + gamma,
+      draft_calls=stats.draft_calls + jnp.max(jnp.where(state.done, 0, drafted)),
       row_target_calls=stats.row_target_calls + active.astype(jnp.int32),
       accepted_per_position=stats.accepted_per_position + jnp.sum(accepted, axis=0),
       num_accepted_counts=stats.num_accepted_counts + jnp.sum(

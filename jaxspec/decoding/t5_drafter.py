@@ -83,38 +83,13 @@ def consume_last_inputs(decode, cache: DecoderCache, context: DraftContext):
 
 def propose_until_unsure(decode, cache: DecoderCache, context: DraftContext, gamma: int,
                          sampling: SamplingConfig, keys, stop_below: float):
-  """As propose_from_decoder, with the steps in a while loop that ends once every row has
-  drafted a token with draft_confidence below stop_below: -> tokens [b, gamma], q [b,
-  gamma, v], confidence [b, gamma], cache. Positions not drafted are 0 in all three.
-  The keys are propose_from_decoder's, so the drafts up to each row's stop are its drafts.
+  """As propose_from_decoder, plus the draft_confidence of each draft: -> tokens
+  [b, gamma], q [b, gamma, v], confidence [b, gamma], cache. A row also stops after a
+  draft whose confidence is below stop_below (adaptive gamma); positions not drafted are
+  0 in all three. The keys are propose_from_decoder's, so the drafts up to each row's
+  stop are its drafts.
   """
-  last_logits, cache = consume_last_inputs(decode, cache, context)  # [b, v]
-  step_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(keys)  # [b, gamma]
-  probs = standardize(last_logits, sampling)  # [b, v]
-  token = draw_tokens(step_keys[:, 0], probs, sampling)
-  confidence = draft_confidence(last_logits, probs, sampling)  # [b]
-  batch, vocab = probs.shape
-  tokens = jnp.zeros((batch, gamma), jnp.int32).at[:, 0].set(token)
-  all_probs = jnp.zeros((batch, gamma, vocab), jnp.float32).at[:, 0].set(probs)
-  confidences = jnp.zeros((batch, gamma), jnp.float32).at[:, 0].set(confidence)
-
-  def unfinished(carry):
-    i, _, _, _, _, unsure = carry
-    return (i < gamma) & ~jnp.all(unsure)
-
-  def step(carry):
-    i, cache, tokens, all_probs, confidences, unsure = carry
-    logits, cache = decode(tokens[:, i - 1][:, None], cache)  # [b, 1, v]
-    probs = standardize(logits[:, 0], sampling)
-    token = draw_tokens(step_keys[:, i], probs, sampling)
-    confidence = draft_confidence(logits[:, 0], probs, sampling)
-    return (i + 1, cache, tokens.at[:, i].set(token), all_probs.at[:, i].set(probs),
-            confidences.at[:, i].set(confidence), unsure | (confidence < stop_below))
-
-  _, cache, tokens, all_probs, confidences, _ = jax.lax.while_loop(
-      unfinished, step, (jnp.int32(1), cache, tokens, all_probs, confidences,
-                         confidence < stop_below))
-  return tokens, all_probs, confidences, cache
+  return _propose_steps(decode, cache, context, gamma, sampling, keys, stop_below)
 
 
 def propose_from_decoder(decode, cache: DecoderCache, context: DraftContext, gamma: int,
@@ -122,26 +97,53 @@ def propose_from_decoder(decode, cache: DecoderCache, context: DraftContext, gam
   """gamma drafts from a cached decoder: -> tokens [b, gamma], q [b, gamma, v], cache.
 
   decode(tokens [b, k], cache) -> (logits [b, k, v], cache), e.g. T5.decode. The cache
-  consumes [x_{length-1}, x_length] in one step (consume_last_inputs), then gamma - 1
-  single steps run in a scan. keys [b]: one PRNG key per row.
+  consumes [x_{length-1}, x_length] in one step (consume_last_inputs), then up to
+  gamma - 1 single steps run in a while loop. With context.eos_id set, the loop ends
+  once every row has drafted EOS or was finished (context.finished()); the positions
+  not drafted are token 0, q 0. keys [b]: one PRNG key per row.
   """
+  tokens, probs, _, cache = _propose_steps(decode, cache, context, gamma, sampling, keys,
+                                           stop_below=None)
+  return tokens, probs, cache
+
+
+def _propose_steps(decode, cache: DecoderCache, context: DraftContext, gamma: int,
+                   sampling: SamplingConfig, keys, stop_below: float | None):
+  """The draft steps of a proposal: -> tokens [b, g], q [b, g, v], confidence [b, g]
+  (None without stop_below), cache. A row stops after a drafted EOS (context.eos_id set)
+  or a draft whose confidence is below stop_below; finished rows after their first
+  draft; the steps end when every row has stopped or gamma are drafted."""
   last_logits, cache = consume_last_inputs(decode, cache, context)  # [b, v]
   step_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(keys)  # [b, gamma]
-  probs = standardize(last_logits, sampling)  # [b, v]
-  token = draw_tokens(step_keys[:, 0], probs, sampling)
+  batch, vocab = last_logits.shape
+  tokens = jnp.zeros((batch, gamma), jnp.int32)
+  all_probs = jnp.zeros((batch, gamma, vocab), jnp.float32)
+  confidences = None if stop_below is None else jnp.zeros((batch, gamma), jnp.float32)
 
-  def step(carry, step_key):
-    cache, token = carry
-    logits, cache = decode(token[:, None], cache)
-    probs = standardize(logits[:, 0], sampling)
-    next_token = draw_tokens(step_key, probs, sampling)
-    return (cache, next_token), (next_token, probs)
+  def draft(i, logits, tokens, all_probs, confidences, stopped):
+    """Draws draft i from logits [b, v] and records it."""
+    probs = standardize(logits, sampling)  # [b, v]
+    token = draw_tokens(step_keys[:, i], probs, sampling)  # [b]
+    stopped = stopped | (False if context.eos_id is None else token == context.eos_id)
+    if confidences is not None:
+      confidence = draft_confidence(logits, probs, sampling)  # [b]
+      confidences = confidences.at[:, i].set(confidence)
+      stopped = stopped | (confidence < stop_below)
+    return tokens.at[:, i].set(token), all_probs.at[:, i].set(probs), confidences, stopped
 
-  (cache, _), (rest_tokens, rest_probs) = jax.lax.scan(
-      step, (cache, token), jnp.swapaxes(step_keys[:, 1:], 0, 1))
-  tokens = jnp.concatenate([token[:, None], jnp.swapaxes(rest_tokens, 0, 1)], axis=1)
-  all_probs = jnp.concatenate([probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
-  return tokens, all_probs, cache
+  def unfinished(carry):
+    i, _, _, _, _, stopped = carry
+    return (i < gamma) & ~jnp.all(stopped)
+
+  def step(carry):
+    i, cache, tokens, all_probs, confidences, stopped = carry
+    logits, cache = decode(tokens[:, i - 1][:, None], cache)  # [b, 1, v]
+    return (i + 1, cache) + draft(i, logits[:, 0], tokens, all_probs, confidences, stopped)
+
+  first = draft(0, last_logits, tokens, all_probs, confidences, context.finished())
+  _, cache, tokens, all_probs, confidences, _ = jax.lax.while_loop(
+      unfinished, step, (jnp.int32(1), cache) + first)
+  return tokens, all_probs, confidences, cache
 
 
 def propose_top_branches_from_decoder(decode, cache: DecoderCache, context: DraftContext,
