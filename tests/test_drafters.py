@@ -280,26 +280,26 @@ def test_speculative_equals_baseline_at_argmax(target, name, gamma):
 # ----------------------------------------------------------------------------
 # Cached-decoder proposals cut at a drafted EOS (DraftContext.eos_id).
 
-EOS = 1
-# A bigram decoder over 7 tokens: the argmax after 2 is EOS, after 3 is 2, after 1 is 3,
-# after 4 is 5, after 5 is 6 and after 6 is 4 (a cycle without EOS).
-BIGRAM_NEXT = {0: 4, 1: 3, 2: EOS, 3: 2, 4: 5, 5: 6, 6: 4}
-BIGRAM_TABLE = 3.0 * jax.nn.one_hot(jnp.array([BIGRAM_NEXT[t] for t in range(7)]), 7)
+CHAIN_EOS = 1
+# A bigram decoder over 7 tokens: the argmax after 2 is EOS (1), after 3 is 2, after 1
+# is 3, after 4 is 5, after 5 is 6 and after 6 is 4 (a cycle without EOS).
+CHAIN_NEXT = {0: 4, 1: 3, 2: CHAIN_EOS, 3: 2, 4: 5, 5: 6, 6: 4}
+CHAIN_LOGITS = 3.0 * jax.nn.one_hot(jnp.array([CHAIN_NEXT[t] for t in range(7)]), 7)
 
 
-def bigram_decode(tokens, cache):
+def chain_decode(tokens, cache):
   """tokens [b, t] -> logits [b, t, v] of the bigram table; the cache counts positions."""
-  return BIGRAM_TABLE[tokens], cache.replace(end_index=cache.end_index + tokens.shape[1])
+  return CHAIN_LOGITS[tokens], cache.replace(end_index=cache.end_index + tokens.shape[1])
 
 
-def bigram_proposal(decoded_rows, gamma, eos_id, sampling=SamplingConfig(), seed=0):
+def chain_proposal(decoded_rows, gamma, eos_id, sampling=SamplingConfig(), seed=0):
   from jaxspec.decoding.t5_drafter import propose_from_decoder
   from jaxspec.model import DecoderCache
   context = make_context([[5]] * len(decoded_rows), decoded_rows).replace(eos_id=eos_id)
   cache = DecoderCache(layers=(), encoder_mask=jnp.ones((len(decoded_rows), 1), bool),
                        end_index=jnp.zeros((len(decoded_rows),), jnp.int32))
   tokens, probs, cache = jax.jit(lambda cache, keys: propose_from_decoder(
-      bigram_decode, cache, context, gamma, sampling, keys))(cache, row_keys(len(decoded_rows),
+      chain_decode, cache, context, gamma, sampling, keys))(cache, row_keys(len(decoded_rows),
                                                                               seed))
   return np.asarray(tokens), np.asarray(probs), np.asarray(cache.end_index), context
 
@@ -308,36 +308,38 @@ def test_proposal_steps_end_once_every_row_drafted_eos():
   from jaxspec.decoding.drafter import drafts_through_eos
   gamma = 5
   # Row 0 drafts EOS first; row 1 drafts 2, then EOS; the steps end after the second.
-  tokens, probs, end_index, _ = bigram_proposal([[4, 2], [3]], gamma, eos_id=EOS)
-  np.testing.assert_array_equal(tokens, [[EOS, 3, 0, 0, 0], [2, EOS, 0, 0, 0]])
+  tokens, probs, end_index, _ = chain_proposal([[4, 2], [3]], gamma, eos_id=CHAIN_EOS)
+  np.testing.assert_array_equal(tokens, [[CHAIN_EOS, 3, 0, 0, 0], [2, CHAIN_EOS, 0, 0, 0]])
   np.testing.assert_array_equal(probs.argmax(-1)[:, :2], tokens[:, :2])
   np.testing.assert_array_equal(probs[:, 2:], 0.0)
   # Rolled back to length - 1, two inputs, then one single step.
   np.testing.assert_array_equal(end_index, [1 + 2 + 1, 0 + 2 + 1])
-  np.testing.assert_array_equal(drafts_through_eos(tokens, EOS), [1, 2])
+  np.testing.assert_array_equal(drafts_through_eos(tokens, CHAIN_EOS), [1, 2])
   # Without eos_id every row drafts gamma tokens, the same ones up to the cut.
-  whole, _, whole_end, _ = bigram_proposal([[4, 2], [3]], gamma, eos_id=None)
-  np.testing.assert_array_equal(whole, [[EOS, 3, 2, EOS, 3], [2, EOS, 3, 2, EOS]])
+  whole, _, whole_end, _ = chain_proposal([[4, 2], [3]], gamma, eos_id=None)
+  np.testing.assert_array_equal(whole, [[CHAIN_EOS, 3, 2, CHAIN_EOS, 3],
+                                        [2, CHAIN_EOS, 3, 2, CHAIN_EOS]])
   np.testing.assert_array_equal(whole_end, [1 + 2 + 4, 0 + 2 + 4])
-  np.testing.assert_array_equal(drafts_through_eos(whole, EOS), [1, 2])
+  np.testing.assert_array_equal(drafts_through_eos(whole, CHAIN_EOS), [1, 2])
 
 
 def test_a_row_without_eos_keeps_the_steps_going():
   gamma = 4
-  tokens, _, end_index, _ = bigram_proposal([[4, 2], [6]], gamma, eos_id=EOS)
-  np.testing.assert_array_equal(tokens, [[EOS, 3, 2, EOS], [4, 5, 6, 4]])
+  tokens, _, end_index, _ = chain_proposal([[4, 2], [6]], gamma, eos_id=CHAIN_EOS)
+  np.testing.assert_array_equal(tokens, [[CHAIN_EOS, 3, 2, CHAIN_EOS], [4, 5, 6, 4]])
   np.testing.assert_array_equal(end_index, [1 + 2 + 3, 0 + 2 + 3])
 
 
 def test_finished_rows_do_not_keep_the_steps_going():
   # Row 1 has committed EOS: finished, so row 0's EOS ends the steps after one draft.
   gamma = 4
-  tokens, _, end_index, context = bigram_proposal([[4, 2], [5, 6, EOS]], gamma, eos_id=EOS)
+  tokens, _, end_index, context = chain_proposal([[4, 2], [5, 6, CHAIN_EOS]], gamma,
+                                                 eos_id=CHAIN_EOS)
   np.testing.assert_array_equal(context.finished(), [False, True])
-  np.testing.assert_array_equal(tokens[0], [EOS, 0, 0, 0])
+  np.testing.assert_array_equal(tokens[0], [CHAIN_EOS, 0, 0, 0])
   np.testing.assert_array_equal(end_index, [1 + 2, 2 + 2])
   # A full buffer is finished too; x_0 (length 0) is not, whatever the EOS id.
-  full = make_context([[5]], [[4] * 8]).replace(eos_id=EOS)
+  full = make_context([[5]], [[4] * 8]).replace(eos_id=CHAIN_EOS)
   assert bool(full.finished()[0])
   assert not bool(make_context([[5]], [[]]).replace(eos_id=0).finished()[0])
 
@@ -345,11 +347,11 @@ def test_finished_rows_do_not_keep_the_steps_going():
 def test_sampled_proposal_cut_at_eos_keeps_the_drafts_before_the_cut():
   sampling = SamplingConfig(temperature=1.0)
   for seed in range(8):
-    cut, cut_probs, _, _ = bigram_proposal([[4, 2], [3], [6]], 6, EOS, sampling, seed)
-    whole, whole_probs, _, _ = bigram_proposal([[4, 2], [3], [6]], 6, None, sampling, seed)
+    cut, cut_probs, _, _ = chain_proposal([[4, 2], [3], [6]], 6, CHAIN_EOS, sampling, seed)
+    whole, whole_probs, _, _ = chain_proposal([[4, 2], [3], [6]], 6, None, sampling, seed)
     drafted = (cut_probs.sum(-1) > 0).sum(axis=1).max()  # steps run for the batch
     np.testing.assert_array_equal(cut[:, :drafted], whole[:, :drafted])
     np.testing.assert_array_equal(cut_probs[:, :drafted], whole_probs[:, :drafted])
     np.testing.assert_array_equal(cut[:, drafted:], 0)
     # The steps ran until every row had drafted EOS, or to gamma.
-    assert drafted == 6 or np.all(np.any(cut[:, :drafted] == EOS, axis=1))
+    assert drafted == 6 or np.all(np.any(cut[:, :drafted] == CHAIN_EOS, axis=1))
