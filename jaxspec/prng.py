@@ -47,7 +47,7 @@ def threefry2x32(key, high, low):
 
 
 def _fast_path(key, shape, dtype) -> bool:
-  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  key = jnp.asarray(key)
   return (jax.config.jax_threefry_partitionable
           and jax.config.jax_default_prng_impl == 'threefry2x32'
           and key.dtype == jnp.uint32 and key.shape == (2,)

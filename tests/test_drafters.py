@@ -305,7 +305,7 @@ def chain_proposal(decoded_rows, gamma, eos_id, sampling=SamplingConfig(), seed=
 
 
 def test_proposal_steps_end_once_every_row_drafted_eos():
-  from jaxspec.decoding.drafter import drafts_through_eos
+  from jaxspec.decoding.drafter import drafts_through_first
   gamma = 5
   # Row 0 drafts EOS first; row 1 drafts 2, then EOS; the steps end after the second.
   tokens, probs, end_index, _ = chain_proposal([[4, 2], [3]], gamma, eos_id=CHAIN_EOS)
@@ -314,13 +314,13 @@ def test_proposal_steps_end_once_every_row_drafted_eos():
   np.testing.assert_array_equal(probs[:, 2:], 0.0)
   # Rolled back to length - 1, two inputs, then one single step.
   np.testing.assert_array_equal(end_index, [1 + 2 + 1, 0 + 2 + 1])
-  np.testing.assert_array_equal(drafts_through_eos(tokens, CHAIN_EOS), [1, 2])
+  np.testing.assert_array_equal(drafts_through_first(tokens == CHAIN_EOS), [1, 2])
   # Without eos_id every row drafts gamma tokens, the same ones up to the cut.
   whole, _, whole_end, _ = chain_proposal([[4, 2], [3]], gamma, eos_id=None)
   np.testing.assert_array_equal(whole, [[CHAIN_EOS, 3, 2, CHAIN_EOS, 3],
                                         [2, CHAIN_EOS, 3, 2, CHAIN_EOS]])
   np.testing.assert_array_equal(whole_end, [1 + 2 + 4, 0 + 2 + 4])
-  np.testing.assert_array_equal(drafts_through_eos(whole, CHAIN_EOS), [1, 2])
+  np.testing.assert_array_equal(drafts_through_first(whole == CHAIN_EOS), [1, 2])
 
 
 def test_a_row_without_eos_keeps_the_steps_going():

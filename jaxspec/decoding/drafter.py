@@ -73,13 +73,13 @@ class DraftContext:
     return full | ((self.length > 0) & (self.last_input() == self.eos_id))
 
 
-def drafts_through_eos(drafts, eos_id: int):
-  """drafts [b, g] -> [b] int32: the drafts up to and including each row's first EOS
-  (g without one). The rest can never be committed, so callers that set
-  DraftContext.eos_id treat them as not proposed."""
-  gamma = drafts.shape[1]
-  is_eos = drafts == eos_id
-  return jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1,
+def drafts_through_first(stops):
+  """stops [b, g] bool -> [b] int32: each row's drafts up to and including its first
+  stop (g without one), e.g. `drafts == eos_id`: drafts after a row's first EOS can
+  never be committed, so callers that set DraftContext.eos_id treat them as not
+  proposed."""
+  gamma = stops.shape[1]
+  return jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1,
                    gamma).astype(jnp.int32)
 
 

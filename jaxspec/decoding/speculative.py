@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxspec import block_verification, validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common, multi_draft
-from jaxspec.decoding.drafter import (DraftContext, Drafter, drafts_through_eos,
+from jaxspec.decoding.drafter import (DraftContext, Drafter, drafts_through_first,
                                       init_drafter_state, propose_with_confidence)
 from jaxspec.model import T5, DecoderCache, rollback
 from jaxspec.sampling import (SamplingConfig, gather_probs, greedy_verdict, mask_unproposed,
@@ -165,15 +165,6 @@ def _log_prob_of(probs, tokens, sampling: SamplingConfig):
   return jnp.log(jnp.maximum(gather_probs(probs, tokens), 1e-38))
 
 
-def _num_drafts(confidence, threshold: float):
-  """confidence [b, g] -> [b] drafts each row proposes: up to and including the first
-  whose confidence is below threshold."""
-  gamma = confidence.shape[1]
-  unsure = confidence < threshold  # [b, g]
-  first_unsure = jnp.where(jnp.any(unsure, axis=1), jnp.argmax(unsure, axis=1), gamma)
-  return jnp.minimum(first_unsure + 1, gamma).astype(jnp.int32)
-
-
 def _argmax_verdict(spec: SpeculativeConfig, sampling: SamplingConfig) -> bool:
   """Whether the verdict is sampling.greedy_verdict (exact token-wise, temperature 0)."""
   return sampling.is_greedy and spec.lenience == 1.0 and spec.verification == 'token'
@@ -270,12 +261,13 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
     drafts, draft_probs, confidence, drafter_state = propose_with_confidence(
         drafter, drafter_params, state.drafter_state, context, gamma, sampling, draft_keys,
         spec.draft_confidence_threshold)
-    num_drafts = jnp.minimum(_num_drafts(confidence, spec.draft_confidence_threshold),
-                             drafts_through_eos(drafts, eos_id))
+    # Each row proposes up to and including its first unsure draft or EOS.
+    num_drafts = drafts_through_first((confidence < spec.draft_confidence_threshold)
+                                      | (drafts == eos_id))
   else:
     drafts, draft_probs, drafter_state = drafter.propose(
         drafter_params, state.drafter_state, context, gamma, sampling, draft_keys)
-    num_drafts = drafts_through_eos(drafts, eos_id)  # [b] each row's proposed drafts
+    num_drafts = drafts_through_first(drafts == eos_id)  # [b] each row's proposed drafts
 
   # Verify: x_length (the last committed token) and the drafts, at the row's offset.
   last_token = context.last_input()[:, None]  # [b, 1]
