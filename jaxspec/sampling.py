@@ -119,6 +119,16 @@ def sample_logits(rng, logits, config: SamplingConfig):
   return categorical(rng, adjusted_logits(logits, config))
 
 
+def position_noise(keys, vocab_size: int):
+  """keys [...] (raw uint32 [..., 2] or typed) -> Gumbel noise [..., vocab_size] float32,
+  each key's as sample_logits adds it (prng.gumbel(key, (vocab_size,)))."""
+  typed = jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
+  batch_shape = keys.shape if typed else keys.shape[:-1]
+  flat = keys.reshape((-1,) + keys.shape[len(batch_shape):])
+  noise = jax.vmap(lambda key: prng.gumbel(key, (vocab_size,), jnp.float32))(flat)
+  return noise.reshape(batch_shape + (vocab_size,))
+
+
 def sample_probs(rng, probs):
   """Draws tokens [...] from probabilities [..., v] (zero entries are never drawn)."""
   safe_log = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
@@ -248,6 +258,19 @@ def speculative_verdict(rng, draft_tokens, draft_probs, target_probs,
                  accept_probability=accept_prob, overlap=overlap)
 
 
+def _matching_verdict(draft_tokens, target_tokens, num_drafts):
+  """Drafts accepted while they equal the target's own tokens: draft_tokens [b, g],
+  target_tokens [b, g+1], num_drafts [b] or None -> (num_accepted [b], next_token [b],
+  accept [b, g] bool)."""
+  gamma = draft_tokens.shape[1]
+  accept = draft_tokens == target_tokens[:, :gamma]  # [b, g]
+  if num_drafts is not None:
+    accept &= jnp.arange(gamma)[None, :] < num_drafts[:, None]
+  num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)  # [b]
+  next_token = jnp.take_along_axis(target_tokens, num_accepted[:, None], axis=1)[:, 0]
+  return num_accepted, next_token, accept
+
+
 def greedy_verdict(draft_tokens, draft_probs, target_logits, num_drafts=None) -> Verdict:
   """speculative_verdict at temperature 0 (lenience 1), from the target's argmax alone.
 
@@ -259,13 +282,32 @@ def greedy_verdict(draft_tokens, draft_probs, target_logits, num_drafts=None) ->
   """
   gamma = draft_tokens.shape[1]
   target_tokens = argmax(target_logits)  # [b, g+1]
-  accept = draft_tokens == target_tokens[:, :gamma]  # [b, g]
-  masked_probs = mask_unproposed(draft_probs, num_drafts)
-  if num_drafts is not None:
-    accept &= jnp.arange(gamma)[None, :] < num_drafts[:, None]
-  num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)  # [b]
-  next_token = jnp.take_along_axis(target_tokens, num_accepted[:, None], axis=1)[:, 0]
+  num_accepted, next_token, accept = _matching_verdict(draft_tokens, target_tokens, num_drafts)
   # sum_x min(p, q) with p one-hot at t is q(t).
-  overlap = gather_probs(masked_probs, target_tokens[:, :gamma])
+  overlap = gather_probs(mask_unproposed(draft_probs, num_drafts), target_tokens[:, :gamma])
   return Verdict(num_accepted=num_accepted, next_token=next_token,
                  accept_probability=accept.astype(jnp.float32), overlap=overlap)
+
+
+def coupled_tokens(target_logits, noise, config: SamplingConfig):
+  """The target's draws at every verified position under shared noise: target_logits
+  [..., v] and Gumbel noise [..., v] (prng.gumbel of each position's key) -> tokens
+  [...], argmax(adjusted logits + noise), i.e. sample_logits with that key, draw for
+  draw (argmax when greedy)."""
+  if config.is_greedy:
+    return argmax(target_logits)
+  return argmax(noise + adjusted_logits(target_logits, config))
+
+
+def coupled_verdict(draft_tokens, target_tokens, num_drafts=None) -> Verdict:
+  """Coupled verification: drafts [b, g] accepted while they equal the target's own
+  draws target_tokens [b, g+1] at the same positions (coupled_tokens, the drafter
+  having drawn each draft with the same position's noise); the next token is the
+  target's draw after them. Every committed token is the target's draw with its
+  position's noise, so the output is the baseline's for the same keys, token for token,
+  whatever the drafts. num_drafts [b] or None. accept_probability and overlap are the
+  0/1 agreement of each drafted position."""
+  num_accepted, next_token, accept = _matching_verdict(draft_tokens, target_tokens, num_drafts)
+  agreement = accept.astype(jnp.float32)
+  return Verdict(num_accepted=num_accepted, next_token=next_token,
+                 accept_probability=agreement, overlap=agreement)

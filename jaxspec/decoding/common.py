@@ -46,3 +46,12 @@ def row_keys(rng, batch: int):
       raise ValueError(f'got {rng.shape[0]} per-row PRNG keys for a batch of {batch}')
     return rng
   return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(batch))
+
+
+def position_keys(row_keys, start, count: int):
+  """row_keys [b], start [b] int32 -> [b, count] keys: row b's key of output position
+  start[b] + j is fold_in(row_keys[b], start[b] + j), the key the baseline samples that
+  position with (so coupled verification draws the baseline's tokens)."""
+  positions = start[:, None] + jnp.arange(count, dtype=jnp.int32)[None, :]  # [b, count]
+  return jax.vmap(lambda key, row: jax.vmap(lambda p: jax.random.fold_in(key, p))(row))(
+      row_keys, positions)

@@ -26,6 +26,12 @@ num_branches)` -> tokens [b, k, gamma], q [b, k, gamma, v], state of the branche
 jaxspec/decoding/multi_draft.py). Without it, multi-draft decoding at temperature 0
 runs as one draft.
 
+A drafter may also define `propose_coupled(params, state, context, gamma, sampling,
+position_keys)` -> tokens [b, gamma], noise [b, gamma, v], state: each draft drawn as
+the baseline draws its position, argmax(adjusted logits + noise) with the Gumbel noise
+of that position's key (coupled verification, SpeculativeConfig.verification =
+'coupled'). Without it, coupled verification takes `propose`'s tokens.
+
 Positions: the decoder input sequence is x_0 = 0 (start), x_j = tokens[j-1]. With
 `length` committed tokens the next token to predict is tokens[length], from the
 prefix x_0..x_length. The first proposal of a decode sees length 0 (only x_0): the
@@ -118,6 +124,22 @@ def init_drafter_state(drafter: Drafter, params, encoder_tokens, target_encoded,
   if hasattr(drafter, 'init_state_from_target'):
     return drafter.init_state_from_target(params, encoder_tokens, target_encoded, max_length)
   return drafter.init_state(params, encoder_tokens, max_length)
+
+
+def propose_coupled(drafter: Drafter, params, state, context: DraftContext, gamma: int,
+                    sampling: SamplingConfig, position_keys, keys):
+  """-> drafts [b, g], their noise [b, g, v] or None, new state (coupled verification).
+
+  position_keys [b, g]: the keys of the output positions length .. length + g - 1.
+  Drafters that define `propose_coupled` (T5 drafters) draw each draft with its
+  position's Gumbel noise and return it; others propose as usual with keys [b] (their
+  q unused), returning no noise. Any drafts keep coupled verification exact; drafts
+  drawn with the target's noise agree with its draws more often.
+  """
+  if hasattr(drafter, 'propose_coupled'):
+    return drafter.propose_coupled(params, state, context, gamma, sampling, position_keys)
+  drafts, _, state = drafter.propose(params, state, context, gamma, sampling, keys)
+  return drafts, None, state
 
 
 def draft_confidence(logits, probs, sampling: SamplingConfig):

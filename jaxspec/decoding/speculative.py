@@ -31,12 +31,15 @@ from jaxspec import block_verification, validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common, multi_draft
 from jaxspec.decoding.drafter import (DraftContext, Drafter, drafts_through_first,
-                                      init_drafter_state, propose_with_confidence)
+                                      init_drafter_state, propose_coupled,
+                                      propose_with_confidence)
 from jaxspec.model import T5, DecoderCache, rollback
-from jaxspec.sampling import (SamplingConfig, gather_probs, greedy_verdict, mask_unproposed,
-                              nonfinite_logits, speculative_verdict, standardize)
+from jaxspec.sampling import (SamplingConfig, coupled_tokens, coupled_verdict, gather_probs,
+                              greedy_verdict, mask_unproposed, nonfinite_logits,
+                              position_noise, speculative_verdict, standardize,
+                              token_log_probs)
 
-VERIFICATIONS = ('token', 'block')
+VERIFICATIONS = ('token', 'block', 'coupled')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,13 @@ class SpeculativeConfig:
   # 'token': Algorithm 1, drafts judged one by one up to the first rejection. 'block':
   # block verification (Sun et al. 2025, jaxspec/block_verification.py), the drafts
   # judged jointly; also exact, never fewer accepted drafts in expectation.
+  # 'coupled': the drafter draws each position with the Gumbel noise of that position's
+  # key, as the baseline does, and the target draws every verified position with the
+  # same noise; drafts count while they equal the target's draws, and the next token is
+  # the target's draw. The output is the baseline's for the same PRNG key, token for
+  # token (so exactly the target's distribution), with no q, residual or accept draws;
+  # a draft passes with probability P(coupled draws agree), at least
+  # (1 - TV) / (1 + TV) against Algorithm 1's 1 - TV. At temperature 0 it is 'token'.
   verification: str = 'token'
   # Adaptive gamma: a row stops drafting after the first draft whose confidence (the
   # largest probability of q; at temperature 0 of the draft's softmax, see
@@ -73,9 +83,13 @@ class SpeculativeConfig:
     if self.verification not in VERIFICATIONS:
       raise ValueError(f'verification must be one of {VERIFICATIONS}, '
                        f'got {self.verification!r}')
-    if self.verification == 'block' and self.lenience != 1.0:
-      raise ValueError(f'block verification is exact only; lenience {self.lenience} needs '
-                       "verification='token'")
+    if self.verification in ('block', 'coupled') and self.lenience != 1.0:
+      raise ValueError(f'{self.verification} verification is exact only; lenience '
+                       f"{self.lenience} needs verification='token'")
+    if self.verification == 'coupled' and self.draft_confidence_threshold > 0.0:
+      raise ValueError('coupled verification drafts a fixed gamma; '
+                       f'draft_confidence_threshold {self.draft_confidence_threshold} needs '
+                       "verification='token' or 'block'")
     if not 0.0 <= self.draft_confidence_threshold <= 1.0:
       raise ValueError('draft_confidence_threshold must be in [0, 1] (0 always drafts '
                        f'gamma), got {self.draft_confidence_threshold}')
@@ -83,7 +97,7 @@ class SpeculativeConfig:
       raise ValueError(f'num_drafts must be >= 1 (1 is a single draft), got {self.num_drafts}')
     if self.num_drafts > 1:
       unsupported = [name for name, value in (
-          ("verification='block'", self.verification == 'block'),
+          (f"verification='{self.verification}'", self.verification != 'token'),
           (f'lenience {self.lenience}', self.lenience != 1.0),
           (f'draft_confidence_threshold {self.draft_confidence_threshold}',
            self.draft_confidence_threshold > 0.0)) if value]
@@ -158,7 +172,7 @@ class _LoopState:
   trace: SpeculativeTrace | None  # None unless record_trace
 
 
-def _log_prob_of(probs, tokens, sampling: SamplingConfig):
+def _log_prob_of(probs, tokens, *, sampling: SamplingConfig):
   """log of standardized probs at tokens (T5X's rescaled log-prob; 0 for argmax)."""
   if sampling.is_greedy:
     return jnp.zeros(tokens.shape, jnp.float32)
@@ -167,7 +181,14 @@ def _log_prob_of(probs, tokens, sampling: SamplingConfig):
 
 def _argmax_verdict(spec: SpeculativeConfig, sampling: SamplingConfig) -> bool:
   """Whether the verdict is sampling.greedy_verdict (exact token-wise, temperature 0)."""
-  return sampling.is_greedy and spec.lenience == 1.0 and spec.verification == 'token'
+  return (sampling.is_greedy and spec.lenience == 1.0
+          and spec.verification in ('token', 'coupled'))
+
+
+def _coupled(spec: SpeculativeConfig, sampling: SamplingConfig) -> bool:
+  """Whether the iteration runs coupled verification (sampling; at temperature 0 the
+  greedy verdict is the same thing)."""
+  return spec.verification == 'coupled' and not sampling.is_greedy
 
 
 def _verdict(keys, drafts, draft_probs, target_logits, target_probs, num_drafts, *,
@@ -249,8 +270,11 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
     return _multi_draft_iteration(
         state, target_params, drafter_params, encoder_tokens, target_config=target_config,
         drafter=drafter, spec=spec, sampling=sampling, eos_id=eos_id)
+  if _coupled(spec, sampling):
+    return _coupled_iteration(
+        state, target_params, drafter_params, encoder_tokens, target_config=target_config,
+        drafter=drafter, spec=spec, sampling=sampling, eos_id=eos_id)
   gamma = spec.gamma
-  model = T5(target_config)
   draft_keys, verdict_keys = _iteration_keys(state)
 
   # Drafts after a row's first drafted EOS are never committed: the drafter may stop
@@ -269,19 +293,54 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
         drafter_params, state.drafter_state, context, gamma, sampling, draft_keys)
     num_drafts = drafts_through_first(drafts == eos_id)  # [b] each row's proposed drafts
 
-  # Verify: x_length (the last committed token) and the drafts, at the row's offset.
-  last_token = context.last_input()[:, None]  # [b, 1]
-  verify_tokens = jnp.concatenate([last_token, drafts], axis=1)  # [b, g+1]
-  target_cache = rollback(state.target_cache, state.length)
-  logits, target_cache = model.apply(target_params, verify_tokens, target_cache,
-                                     method=T5.decode)  # [b, g+1, v]
+  logits, target_cache = _verify(state, target_params, context, drafts, target_config)
   # [b, g+1, v]; the token-wise verdict at temperature 0 needs only the argmax.
   target_probs = None if _argmax_verdict(spec, sampling) else standardize(logits, sampling)
   verdict = _verdict(verdict_keys, drafts, draft_probs, logits, target_probs, num_drafts,
                      spec=spec, sampling=sampling)
   nonfinite = _nonfinite_positions(logits, mask_unproposed(draft_probs, num_drafts))
-  return _settle(state, drafts, num_drafts, nonfinite, target_probs, verdict, drafter_state,
-                 target_cache, gamma=gamma, sampling=sampling, eos_id=eos_id)
+  return _settle(state, drafts, num_drafts, nonfinite,
+                 functools.partial(_log_prob_of, target_probs, sampling=sampling), verdict,
+                 drafter_state, target_cache, gamma=gamma, eos_id=eos_id)
+
+
+def _verify(state: _LoopState, target_params, context: DraftContext, drafts,
+            target_config: T5Config):
+  """The target's ONE decode step over x_length (the last committed token) and the
+  drafts [b, g], at each row's offset -> logits [b, g+1, v], target cache."""
+  verify_tokens = jnp.concatenate([context.last_input()[:, None], drafts], axis=1)
+  target_cache = rollback(state.target_cache, state.length)
+  return T5(target_config).apply(target_params, verify_tokens, target_cache,
+                                 method=T5.decode)
+
+
+def _coupled_iteration(state: _LoopState, target_params, drafter_params, encoder_tokens, *,
+                       target_config: T5Config, drafter: Drafter, spec: SpeculativeConfig,
+                       sampling: SamplingConfig, eos_id: int) -> _LoopState:
+  """One iteration of coupled verification (SpeculativeConfig.verification): position
+  length + j of a row is drawn with the key fold_in(row key, length + j), the
+  baseline's, by the drafter and by the target alike."""
+  gamma = spec.gamma
+  draft_keys, _ = _iteration_keys(state)
+  keys = common.position_keys(state.row_keys, state.length, gamma + 1)  # [b, g+1]
+  context = DraftContext(tokens=state.tokens, length=state.length,
+                         encoder_tokens=encoder_tokens, eos_id=eos_id)
+  drafts, draft_noise, drafter_state = propose_coupled(
+      drafter, drafter_params, state.drafter_state, context, gamma, sampling,
+      keys[:, :gamma], draft_keys)
+  num_drafts = drafts_through_first(drafts == eos_id)  # [b]
+  logits, target_cache = _verify(state, target_params, context, drafts, target_config)
+  vocab = logits.shape[-1]
+  if draft_noise is None:
+    noise = position_noise(keys, vocab)  # [b, g+1, v]
+  else:
+    # The drafter's noise at the drafted positions (0 after a row's drafted EOS, where
+    # the target's draw is never committed), fresh noise for the bonus position.
+    noise = jnp.concatenate([draft_noise, position_noise(keys[:, gamma:], vocab)], axis=1)
+  verdict = coupled_verdict(drafts, coupled_tokens(logits, noise, sampling), num_drafts)
+  return _settle(state, drafts, num_drafts, nonfinite_logits(logits),
+                 lambda tokens: token_log_probs(logits, tokens, sampling), verdict,
+                 drafter_state, target_cache, gamma=gamma, eos_id=eos_id)
 
 
 def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
@@ -325,17 +384,18 @@ def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, enc
                                        nan_q, ((0, 0), (0, 1)))  # [b, g+1]
   return _settle(state, multi_draft.select_branch(drafts, branch),
                  jnp.full((batch,), gamma, jnp.int32), nonfinite,
-                 multi_draft.path_of(target_probs, branch), verdict, drafter_state,
-                 target_cache, gamma=gamma, sampling=sampling, eos_id=eos_id)
+                 functools.partial(_log_prob_of, multi_draft.path_of(target_probs, branch),
+                                   sampling=sampling),
+                 verdict, drafter_state, target_cache, gamma=gamma, eos_id=eos_id)
 
 
-def _settle(state: _LoopState, drafts, drafted, nonfinite, target_probs, verdict,
-            drafter_state, target_cache, *, gamma: int, sampling: SamplingConfig,
-            eos_id: int) -> _LoopState:
+def _settle(state: _LoopState, drafts, drafted, nonfinite, log_probs_of, verdict,
+            drafter_state, target_cache, *, gamma: int, eos_id: int) -> _LoopState:
   """Commits a verdict and updates the statistics and trace: the shared end of an
   iteration. drafts [b, g] (the chosen branch's with several drafts), drafted [b],
-  nonfinite [b, g+1] (p or q not finite there), target_probs [b, g+1, v] or None (argmax),
-  verdict with num_accepted, next_token [b] and overlap [b, g]."""
+  nonfinite [b, g+1] (p or q not finite there), log_probs_of(candidates [b, g+1]) ->
+  their log-probabilities under the target [b, g+1], verdict with num_accepted,
+  next_token [b] and overlap [b, g]."""
   n = verdict.num_accepted  # [b]
   # The verdict used p and q at positions 0..n, and a NaN there passes the accept test
   # (u >= NaN is False). A row keeps the tokens judged before its first non-finite
@@ -349,7 +409,7 @@ def _settle(state: _LoopState, drafts, drafted, nonfinite, target_probs, verdict
   padded_drafts = jnp.pad(drafts, ((0, 0), (0, 1)))
   candidates = jnp.where(offsets < n[:, None], padded_drafts,
                          jnp.where(offsets == n[:, None], verdict.next_token[:, None], 0))
-  candidate_log_probs = _log_prob_of(target_probs, candidates, sampling)
+  candidate_log_probs = log_probs_of(candidates)
   count = jnp.where(state.done, 0, kept)
   active = ~state.done & ~broken  # Rows whose verdict counts in the statistics.
   tokens, log_probs, length, done = _commit(state, candidates, candidate_log_probs, count,

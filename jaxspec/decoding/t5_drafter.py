@@ -11,7 +11,8 @@ from jaxspec.config import T5Config
 from jaxspec.decoding.drafter import DraftContext, draft_confidence, draw_tokens
 from jaxspec.model import T5, DecoderCache, repeat_rows, rollback
 from jaxspec.model.sharding import DRAFT
-from jaxspec.sampling import SamplingConfig, argmax, standardize
+from jaxspec.sampling import (SamplingConfig, argmax, coupled_tokens, position_noise,
+                              standardize)
 
 
 class CachedDecoderDrafter:
@@ -32,6 +33,13 @@ class CachedDecoderDrafter:
     has drafted a token whose confidence is below stop_below (adaptive gamma)."""
     return propose_until_unsure(self._decoder(params), state, context, gamma, sampling, keys,
                                 stop_below)
+
+  def propose_coupled(self, params, state, context: DraftContext, gamma: int,
+                      sampling: SamplingConfig, position_keys):
+    """propose, each draft drawn with its position's Gumbel noise (coupled
+    verification): -> tokens [b, gamma], noise [b, gamma, v], state."""
+    return propose_coupled_from_decoder(self._decoder(params), state, context, gamma,
+                                        sampling, position_keys)
 
   def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
                            num_branches: int):
@@ -89,7 +97,8 @@ def propose_until_unsure(decode, cache: DecoderCache, context: DraftContext, gam
   0 in all three. The keys are propose_from_decoder's, so the drafts up to each row's
   stop are its drafts.
   """
-  return _propose_steps(decode, cache, context, gamma, sampling, keys, stop_below)
+  return _propose_steps(decode, cache, context, gamma, _sampled_draw(sampling, keys, gamma),
+                        sampling=sampling, stop_below=stop_below)
 
 
 def propose_from_decoder(decode, cache: DecoderCache, context: DraftContext, gamma: int,
@@ -102,48 +111,74 @@ def propose_from_decoder(decode, cache: DecoderCache, context: DraftContext, gam
   once every row has drafted EOS or was finished (context.finished()); the positions
   not drafted are token 0, q 0. keys [b]: one PRNG key per row.
   """
-  tokens, probs, _, cache = _propose_steps(decode, cache, context, gamma, sampling, keys,
-                                           stop_below=None)
+  tokens, probs, _, cache = _propose_steps(decode, cache, context, gamma,
+                                           _sampled_draw(sampling, keys, gamma),
+                                           sampling=sampling, stop_below=None)
   return tokens, probs, cache
 
 
-def _propose_steps(decode, cache: DecoderCache, context: DraftContext, gamma: int,
-                   sampling: SamplingConfig, keys, stop_below: float | None):
-  """The draft steps of a proposal: -> tokens [b, g], q [b, g, v], confidence [b, g]
-  (None without stop_below), cache. A row stops after a drafted EOS (context.eos_id set)
-  or a draft whose confidence is below stop_below; finished rows after their first
-  draft; the steps end when every row has stopped or gamma are drafted."""
-  last_logits, cache = consume_last_inputs(decode, cache, context)  # [b, v]
+def propose_coupled_from_decoder(decode, cache: DecoderCache, context: DraftContext,
+                                 gamma: int, sampling: SamplingConfig, position_keys):
+  """As propose_from_decoder, each draft i drawn as the baseline draws its position:
+  argmax(adjusted logits + the Gumbel noise of position_keys[:, i]) (coupled
+  verification). -> tokens [b, gamma], noise [b, gamma, v] (0 where not drafted), cache.
+  """
+  def draw(i, logits):
+    noise = position_noise(position_keys[:, i], logits.shape[-1])  # [b, v]
+    return coupled_tokens(logits, noise, sampling), noise
+
+  tokens, noise, _, cache = _propose_steps(decode, cache, context, gamma, draw,
+                                           sampling=sampling, stop_below=None)
+  return tokens, noise, cache
+
+
+def _sampled_draw(sampling: SamplingConfig, keys, gamma: int):
+  """draw(i, logits [b, v]) -> (token [b], q [b, v]): draft i from the standardized q
+  with the i-th of gamma keys split from each row's key keys [b]."""
   step_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(keys)  # [b, gamma]
+
+  def draw(i, logits):
+    probs = standardize(logits, sampling)  # [b, v]
+    return draw_tokens(step_keys[:, i], probs, sampling), probs
+  return draw
+
+
+def _propose_steps(decode, cache: DecoderCache, context: DraftContext, gamma: int, draw, *,
+                   sampling: SamplingConfig, stop_below: float | None):
+  """The draft steps of a proposal: -> tokens [b, g], records [b, g, v] (what draw
+  returned with each token: q, or the coupled draws' noise), confidence [b, g] (None
+  without stop_below), cache. A row stops after a drafted EOS (context.eos_id set) or a
+  draft whose confidence is below stop_below; finished rows after their first draft;
+  the steps end when every row has stopped or gamma are drafted."""
+  last_logits, cache = consume_last_inputs(decode, cache, context)  # [b, v]
   batch, vocab = last_logits.shape
   tokens = jnp.zeros((batch, gamma), jnp.int32)
-  all_probs = jnp.zeros((batch, gamma, vocab), jnp.float32)
+  records = jnp.zeros((batch, gamma, vocab), jnp.float32)
   confidences = None if stop_below is None else jnp.zeros((batch, gamma), jnp.float32)
 
-  def draft(i, logits, tokens, all_probs, confidences, stopped):
+  def draft(i, logits, tokens, records, confidences, stopped):
     """Draws draft i from logits [b, v] and records it."""
-    probs = standardize(logits, sampling)  # [b, v]
-    token = draw_tokens(step_keys[:, i], probs, sampling)  # [b]
+    token, record = draw(i, logits)  # [b], [b, v]
     stopped = stopped | (False if context.eos_id is None else token == context.eos_id)
     if confidences is not None:
-      confidence = draft_confidence(logits, probs, sampling)  # [b]
+      confidence = draft_confidence(logits, record, sampling)  # [b]
       confidences = confidences.at[:, i].set(confidence)
       stopped = stopped | (confidence < stop_below)
-    return tokens.at[:, i].set(token), all_probs.at[:, i].set(probs), confidences, stopped
+    return tokens.at[:, i].set(token), records.at[:, i].set(record), confidences, stopped
 
   def unfinished(carry):
     i, _, _, _, _, stopped = carry
     return (i < gamma) & ~jnp.all(stopped)
 
   def step(carry):
-    i, cache, tokens, all_probs, confidences, stopped = carry
+    i, cache, tokens, records, confidences, stopped = carry
     logits, cache = decode(tokens[:, i - 1][:, None], cache)  # [b, 1, v]
-    return (i + 1, cache) + draft(i, logits[:, 0], tokens, all_probs, confidences, stopped)
+    return (i + 1, cache) + draft(i, logits[:, 0], tokens, records, confidences, stopped)
 
-  first = draft(0, last_logits, tokens, all_probs, confidences, context.finished())
-  _, cache, tokens, all_probs, confidences, _ = jax.lax.while_loop(
+  first = draft(0, last_logits, tokens, records, confidences, context.finished())
+  _, cache, tokens, records, confidences, _ = jax.lax.while_loop(
       unfinished, step, (jnp.int32(1), cache) + first)
-  return tokens, all_probs, confidences, cache
+  return tokens, records, confidences, cache
 
 
 def propose_top_branches_from_decoder(decode, cache: DecoderCache, context: DraftContext,
