@@ -291,9 +291,9 @@ def greedy_verdict(draft_tokens, draft_probs, target_logits, num_drafts=None) ->
 
 def coupled_tokens(target_logits, noise, config: SamplingConfig):
   """The target's draws at every verified position under shared noise: target_logits
-  [..., v] and Gumbel noise [..., v] (prng.gumbel of each position's key) -> tokens
-  [...], argmax(adjusted logits + noise), i.e. sample_logits with that key, draw for
-  draw (argmax when greedy)."""
+  [..., v] and Gumbel noise [..., v] (prng.gumbel of each position's key; None when
+  greedy) -> tokens [...], argmax(adjusted logits + noise), i.e. sample_logits with
+  that key, draw for draw (argmax when greedy)."""
   if config.is_greedy:
     return argmax(target_logits)
   return argmax(noise + adjusted_logits(target_logits, config))

@@ -30,7 +30,8 @@ A drafter may also define `propose_coupled(params, state, context, gamma, sampli
 position_keys)` -> tokens [b, gamma], noise [b, gamma, v], state: each draft drawn as
 the baseline draws its position, argmax(adjusted logits + noise) with the Gumbel noise
 of that position's key (coupled verification, SpeculativeConfig.verification =
-'coupled'). Without it, coupled verification takes `propose`'s tokens.
+'coupled'; at temperature 0 argmax picks and no noise). Without it, coupled
+verification takes `propose`'s tokens.
 
 Positions: the decoder input sequence is x_0 = 0 (start), x_j = tokens[j-1]. With
 `length` committed tokens the next token to predict is tokens[length], from the
@@ -130,7 +131,8 @@ def propose_coupled(drafter: Drafter, params, state, context: DraftContext, gamm
                     sampling: SamplingConfig, position_keys, keys):
   """-> drafts [b, g], their noise [b, g, v] or None, new state (coupled verification).
 
-  position_keys [b, g]: the keys of the output positions length .. length + g - 1.
+  position_keys [b, g]: the keys of the output positions length .. length + g - 1
+  (None at temperature 0, where drafts are argmax picks and no noise is returned).
   Drafters that define `propose_coupled` (T5 drafters) draw each draft with its
   position's Gumbel noise and return it; others propose as usual with keys [b] (their
   q unused), returning no noise. Any drafts keep coupled verification exact; drafts

@@ -58,7 +58,8 @@ class SpeculativeConfig:
   # the target's draw. The output is the baseline's for the same PRNG key, token for
   # token (so exactly the target's distribution), with no q, residual or accept draws;
   # a draft passes with probability P(coupled draws agree), at least
-  # (1 - TV) / (1 + TV) against Algorithm 1's 1 - TV. At temperature 0 it is 'token'.
+  # (1 - TV) / (1 + TV) against Algorithm 1's 1 - TV. At temperature 0 it decides as
+  # 'token' does, without building the drafts' one-hot q.
   verification: str = 'token'
   # Adaptive gamma: a row stops drafting after the first draft whose confidence (the
   # largest probability of q; at temperature 0 of the draft's softmax, see
@@ -181,14 +182,13 @@ def _log_prob_of(probs, tokens, *, sampling: SamplingConfig):
 
 def _argmax_verdict(spec: SpeculativeConfig, sampling: SamplingConfig) -> bool:
   """Whether the verdict is sampling.greedy_verdict (exact token-wise, temperature 0)."""
-  return (sampling.is_greedy and spec.lenience == 1.0
-          and spec.verification in ('token', 'coupled'))
+  return sampling.is_greedy and spec.lenience == 1.0 and spec.verification == 'token'
 
 
-def _coupled(spec: SpeculativeConfig, sampling: SamplingConfig) -> bool:
-  """Whether the iteration runs coupled verification (sampling; at temperature 0 the
-  greedy verdict is the same thing)."""
-  return spec.verification == 'coupled' and not sampling.is_greedy
+def _coupled(spec: SpeculativeConfig) -> bool:
+  """Whether the iteration runs coupled verification (at temperature 0: drafts and
+  target tokens by argmax, no q)."""
+  return spec.verification == 'coupled'
 
 
 def _verdict(keys, drafts, draft_probs, target_logits, target_probs, num_drafts, *,
@@ -270,7 +270,7 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
     return _multi_draft_iteration(
         state, target_params, drafter_params, encoder_tokens, target_config=target_config,
         drafter=drafter, spec=spec, sampling=sampling, eos_id=eos_id)
-  if _coupled(spec, sampling):
+  if _coupled(spec):
     return _coupled_iteration(
         state, target_params, drafter_params, encoder_tokens, target_config=target_config,
         drafter=drafter, spec=spec, sampling=sampling, eos_id=eos_id)
@@ -322,16 +322,20 @@ def _coupled_iteration(state: _LoopState, target_params, drafter_params, encoder
   baseline's, by the drafter and by the target alike."""
   gamma = spec.gamma
   draft_keys, _ = _iteration_keys(state)
-  keys = common.position_keys(state.row_keys, state.length, gamma + 1)  # [b, g+1]
+  # [b, g+1] the keys of positions length .. length + g (none needed when greedy).
+  keys = None if sampling.is_greedy else common.position_keys(state.row_keys, state.length,
+                                                               gamma + 1)
   context = DraftContext(tokens=state.tokens, length=state.length,
                          encoder_tokens=encoder_tokens, eos_id=eos_id)
   drafts, draft_noise, drafter_state = propose_coupled(
       drafter, drafter_params, state.drafter_state, context, gamma, sampling,
-      keys[:, :gamma], draft_keys)
+      None if keys is None else keys[:, :gamma], draft_keys)
   num_drafts = drafts_through_first(drafts == eos_id)  # [b]
   logits, target_cache = _verify(state, target_params, context, drafts, target_config)
   vocab = logits.shape[-1]
-  if draft_noise is None:
+  if sampling.is_greedy:
+    noise = None
+  elif draft_noise is None:
     noise = position_noise(keys, vocab)  # [b, g+1, v]
   else:
     # The drafter's noise at the drafted positions (0 after a row's drafted EOS, where

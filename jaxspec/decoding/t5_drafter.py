@@ -121,9 +121,12 @@ def propose_coupled_from_decoder(decode, cache: DecoderCache, context: DraftCont
                                  gamma: int, sampling: SamplingConfig, position_keys):
   """As propose_from_decoder, each draft i drawn as the baseline draws its position:
   argmax(adjusted logits + the Gumbel noise of position_keys[:, i]) (coupled
-  verification). -> tokens [b, gamma], noise [b, gamma, v] (0 where not drafted), cache.
+  verification); at temperature 0 the argmax alone. -> tokens [b, gamma], noise
+  [b, gamma, v] (0 where not drafted; None at temperature 0), cache.
   """
   def draw(i, logits):
+    if sampling.is_greedy:
+      return argmax(logits), None
     noise = position_noise(position_keys[:, i], logits.shape[-1])  # [b, v]
     return coupled_tokens(logits, noise, sampling), noise
 
@@ -145,26 +148,30 @@ def _sampled_draw(sampling: SamplingConfig, keys, gamma: int):
 
 def _propose_steps(decode, cache: DecoderCache, context: DraftContext, gamma: int, draw, *,
                    sampling: SamplingConfig, stop_below: float | None):
-  """The draft steps of a proposal: -> tokens [b, g], records [b, g, v] (what draw
-  returned with each token: q, or the coupled draws' noise), confidence [b, g] (None
-  without stop_below), cache. A row stops after a drafted EOS (context.eos_id set) or a
-  draft whose confidence is below stop_below; finished rows after their first draft;
-  the steps end when every row has stopped or gamma are drafted."""
+  """The draft steps of a proposal: draw(i, logits [b, v]) -> (token [b], record [b, v]
+  or None) picks draft i. -> tokens [b, g], records [b, g, v] (what draw returned with
+  each token: q, or the coupled draws' noise; None if it returns none), confidence
+  [b, g] (None without stop_below), cache. A row stops after a drafted EOS
+  (context.eos_id set) or a draft whose confidence is below stop_below; finished rows
+  after their first draft; the steps end when every row has stopped or gamma are
+  drafted."""
   last_logits, cache = consume_last_inputs(decode, cache, context)  # [b, v]
   batch, vocab = last_logits.shape
+  first_token, first_record = draw(0, last_logits)
   tokens = jnp.zeros((batch, gamma), jnp.int32)
-  records = jnp.zeros((batch, gamma, vocab), jnp.float32)
+  records = None if first_record is None else jnp.zeros((batch, gamma, vocab), jnp.float32)
   confidences = None if stop_below is None else jnp.zeros((batch, gamma), jnp.float32)
 
-  def draft(i, logits, tokens, records, confidences, stopped):
-    """Draws draft i from logits [b, v] and records it."""
-    token, record = draw(i, logits)  # [b], [b, v]
+  def record(i, logits, token, draw_record, tokens, records, confidences, stopped):
+    """Records draft i, drawn from logits [b, v]."""
     stopped = stopped | (False if context.eos_id is None else token == context.eos_id)
     if confidences is not None:
-      confidence = draft_confidence(logits, record, sampling)  # [b]
+      confidence = draft_confidence(logits, draw_record, sampling)  # [b]
       confidences = confidences.at[:, i].set(confidence)
       stopped = stopped | (confidence < stop_below)
-    return tokens.at[:, i].set(token), records.at[:, i].set(record), confidences, stopped
+    if records is not None:
+      records = records.at[:, i].set(draw_record)
+    return tokens.at[:, i].set(token), records, confidences, stopped
 
   def unfinished(carry):
     i, _, _, _, _, stopped = carry
@@ -173,9 +180,12 @@ def _propose_steps(decode, cache: DecoderCache, context: DraftContext, gamma: in
   def step(carry):
     i, cache, tokens, records, confidences, stopped = carry
     logits, cache = decode(tokens[:, i - 1][:, None], cache)  # [b, 1, v]
-    return (i + 1, cache) + draft(i, logits[:, 0], tokens, records, confidences, stopped)
+    token, draw_record = draw(i, logits[:, 0])
+    return (i + 1, cache) + record(i, logits[:, 0], token, draw_record, tokens, records,
+                                   confidences, stopped)
 
-  first = draft(0, last_logits, tokens, records, confidences, context.finished())
+  first = record(0, last_logits, first_token, first_record, tokens, records, confidences,
+                 context.finished())
   _, cache, tokens, records, confidences, _ = jax.lax.while_loop(
       unfinished, step, (jnp.int32(1), cache) + first)
   return tokens, records, confidences, cache
