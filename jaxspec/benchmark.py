@@ -373,12 +373,14 @@ def _t5x_style_generate(params, encoder_tokens, rng, *, config, max_decode_lengt
 
 def verification_option_specs(gamma: int, confidence_threshold: float,
                               num_drafts: Sequence[int] = ()) -> dict:
-  """{name: SpeculativeConfig}: plain (token-wise), block verification, adaptive gamma
+  """{name: SpeculativeConfig}: plain (token-wise), block and coupled verification,
+  adaptive gamma
   (gamma the maximum, rows stop below the threshold), both, and multi-draft
   verification with k branches for each k in num_drafts."""
   specs = {
       'plain': SpeculativeConfig(gamma),
       'block': SpeculativeConfig(gamma, verification='block'),
+      'coupled': SpeculativeConfig(gamma, verification='coupled'),
       'adaptive': SpeculativeConfig(gamma, draft_confidence_threshold=confidence_threshold),
       'block + adaptive': SpeculativeConfig(gamma, verification='block',
                                             draft_confidence_threshold=confidence_threshold),

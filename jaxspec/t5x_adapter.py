@@ -303,7 +303,8 @@ def _model_class(base: type) -> type:
       draft: a jaxspec Drafter, a jaxspec T5Config or its name, or a T5X network config.
       draft_params: the draft's params ({'params': tree}, the bare T5X tree, a T5X
         checkpoint path, or an n-gram drafter's table).
-      gamma, lenience: SpeculativeConfig (lenience 1 is exact; < 1 changes outputs).
+      gamma, lenience, verification: SpeculativeConfig (lenience 1 is exact; < 1 changes
+        outputs; verification 'token', 'block' or 'coupled').
       temperature, topk, topp: default sampling (T5X's names), overridden per call by
         decoder_params; the default is argmax.
       target_config: a jaxspec T5Config for the target; default: from module.config.
@@ -315,6 +316,7 @@ def _model_class(base: type) -> type:
 
     def __init__(self, module, input_vocabulary, output_vocabulary, optimizer_def, *,
                  draft, draft_params, gamma: int = 4, lenience: float = 1.0,
+                 verification: str = 'token',
                  temperature: float = 0.0, topk: int = 0, topp: float = 0.0,
                  target_config: T5Config | None = None, decoder: str = 'sample',
                  alpha: float = 0.6, draft_beams: int = 0, **kwargs):
@@ -325,7 +327,8 @@ def _model_class(base: type) -> type:
       self.drafter = as_drafter(draft, self.target_config)
       check_compatible(self.target_config, self.drafter)
       self.drafter_params = draft_variables(self.drafter, draft_params)
-      self.spec = SpeculativeConfig(gamma=gamma, lenience=lenience)
+      self.spec = SpeculativeConfig(gamma=gamma, lenience=lenience,
+                                    verification=verification)
       self.default_sampling = sampling_config_from_t5x(temperature, topk, topp)
       if decoder not in ('sample', 'beam'):
         raise ValueError(f"decoder must be 'sample' or 'beam', got {decoder!r}")

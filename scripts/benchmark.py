@@ -436,7 +436,9 @@ def results_markdown(results: dict) -> str:
                   'temperature', 'baseline_speedup', 'identical_outputs', 'examples'])]
   if 'options' in results:
     parts += ['\n### Verification options: tokens per target call, same examples and keys\n',
-              'plain: token-wise (Algorithm 1); block: block verification; adaptive: rows '
+              'plain: token-wise (Algorithm 1); block: block verification; coupled: drafts '
+              "and target draw each position with the baseline's noise (its alpha is the "
+              'agreement rate); adaptive: rows '
               'stop drafting below the draft confidence threshold (gamma the maximum); '
               'multi-draft k: k branches verified in one target step (temperature 0: a '
               'top-k tree). All are exact. speedups: ratios of median walltimes, batch 1, '

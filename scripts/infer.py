@@ -284,7 +284,7 @@ def summarize(task, metric, draft_name, sampling, spec, writers, indices, beam=N
   summary = {'task': task, 'draft': draft_name}
   if set(writers) & set(SAMPLING_DECODERS):
     summary.update(temperature=sampling.temperature, gamma=spec.gamma,
-                   lenience=spec.lenience)
+                   lenience=spec.lenience, verification=spec.verification)
   if set(writers) & set(BEAM_DECODERS):
     summary.update(num_beams=beam.num_beams, brevity_alpha=beam.alpha,
                    draft_beams=speculative_beam.draft_width(beam.num_beams),

@@ -21,7 +21,7 @@ import jax
 from jaxspec import decode_view, inference, pairs
 from jaxspec.config import EOS_ID
 from jaxspec.data import corpora
-from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
+from jaxspec.decoding.speculative import VERIFICATIONS, SpeculativeConfig, speculative_generate
 from jaxspec.sampling import SamplingConfig
 
 
@@ -34,7 +34,7 @@ def parse_args(argv):
   source.add_argument('--text', default=None, help='show this input instead')
   parser.add_argument('--split', default='test')
   parser.add_argument('--gamma', type=int, default=None, help="default: the pair's gamma")
-  parser.add_argument('--verification', default='token', choices=('token', 'block'))
+  parser.add_argument('--verification', default='token', choices=VERIFICATIONS)
   parser.add_argument('--draft_confidence_threshold', type=float, default=0.0)
   parser.add_argument('--temperature', type=float, default=0.0)
   parser.add_argument('--seed', type=int, default=0)

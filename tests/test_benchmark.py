@@ -287,7 +287,7 @@ def test_benchmark_script_writes_every_table(tmp_path, tiny_pair_checkpoints, _u
   for row in results['table4']:
     assert np.isfinite([row['theorem_3_8_speedup'], row['verify_cost'], row['c']]).all()
   options = {r['option']: r for r in results['options']}
-  assert list(options) == ['plain', 'block', 'adaptive', 'block + adaptive',
+  assert list(options) == ['plain', 'block', 'coupled', 'adaptive', 'block + adaptive',
                            'multi-draft k=2', 'multi-draft k=3']
   assert [options[f'multi-draft k={k}']['num_drafts'] for k in (2, 3)] == [2, 3]
   # Greedy block verification keeps token-wise verification's prefix exactly.

@@ -282,6 +282,9 @@ def test_speculative_model_samples_the_t5x_networks_distribution(params):
 
 def test_speculative_model_refusals_and_per_row_temperature(params):
   model = _speculative(params)
+  assert _speculative(params, verification='coupled').spec.verification == 'coupled'
+  with pytest.raises(ValueError, match='verification must be one of'):
+    _speculative(params, verification='tree')
   with pytest.raises(ValueError, match='state_callback_fn.*not supported'):
     model.predict_batch_with_aux(params[0], _batch(),
                                  decoder_params={'state_callback_fn': lambda s: s})
