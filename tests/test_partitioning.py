@@ -148,10 +148,11 @@ def sharded_report(tmp_path_factory, tiny_launcher_run):
   return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-MESH_RUNS = [('1x8', 'baseline_greedy'), ('1x8', 'speculative_greedy'),
+# The baseline on the 2x4 mesh only (tests/_sharded_worker.py's MESHES says why).
+MESH_RUNS = [('1x8', 'speculative_greedy'),
              ('2x4', 'baseline_greedy'), ('2x4', 'speculative_greedy'),
              ('2x4', 'speculative_sampled'),
-             ('8x1', 'baseline_greedy'), ('8x1', 'speculative_greedy')]
+             ('8x1', 'speculative_greedy')]
 
 
 @pytest.mark.parametrize('mesh, run', MESH_RUNS)
