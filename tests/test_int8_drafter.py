@@ -151,3 +151,27 @@ def test_sampling_with_the_int8_draft_accepts_nearly_every_draft():
                                 spec=SpeculativeConfig(gamma=3), max_decode_length=MAX_LEN,
                                 sampling=SamplingConfig(temperature=1.0))
   assert float(result.stats.alpha) > 0.8
+
+
+def test_coupled_sampling_with_the_int8_draft_is_the_baseline():
+  # Coupled verification (the main job's): the sampled output is the baseline's draw for
+  # draw, and the int8 draft, drawing with the same noise, agrees nearly everywhere,
+  # alone and through the stand-alone wrapper.
+  target, tokens = _target(), _encoder_tokens()
+  rng, sampling = jax.random.PRNGKey(6), SamplingConfig(temperature=1.0)
+  baseline = generate(target, tokens, rng, config=CONFIG, max_decode_length=MAX_LEN,
+                      sampling=sampling)
+  drafter = Int8Drafter(CONFIG)
+  spec = SpeculativeConfig(gamma=3, verification='coupled')
+  result = speculative_generate(target, drafter.draft_params(target), tokens, rng,
+                                target_config=CONFIG, drafter=drafter, spec=spec,
+                                max_decode_length=MAX_LEN, sampling=sampling)
+  np.testing.assert_array_equal(result.output.tokens, baseline.tokens)
+  assert float(result.stats.alpha) > 0.8
+  wrapped = SharedEncoderDrafterWithTarget(drafter, CONFIG)
+  through_wrapper = speculative_generate(
+      target, {'draft': drafter.draft_params(target), 'target': target}, tokens, rng,
+      target_config=CONFIG, drafter=wrapped, spec=spec, max_decode_length=MAX_LEN,
+      sampling=sampling)
+  np.testing.assert_array_equal(through_wrapper.output.tokens, baseline.tokens)
+  assert float(through_wrapper.stats.alpha) == float(result.stats.alpha)

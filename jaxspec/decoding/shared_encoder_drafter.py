@@ -137,6 +137,11 @@ class SharedEncoderDrafterWithTarget:
     return self.drafter.propose_with_confidence(params['draft'], state, context, gamma,
                                                 sampling, keys, stop_below)
 
+  def propose_coupled(self, params, state, context: DraftContext, gamma: int,
+                      sampling: SamplingConfig, position_keys):
+    return self.drafter.propose_coupled(params['draft'], state, context, gamma, sampling,
+                                        position_keys)
+
   def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
                            num_branches: int):
     return self.drafter.propose_top_branches(params['draft'], state, context, gamma,
