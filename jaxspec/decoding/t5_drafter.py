@@ -141,6 +141,9 @@ def _sampled_draw(sampling: SamplingConfig, keys, gamma: int):
   step_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(keys)  # [b, gamma]
 
   def draw(i, logits):
+    if sampling.is_greedy:  # standardize's one-hot q, without taking its argmax again
+      token = argmax(logits)
+      return token, jax.nn.one_hot(token, logits.shape[-1], dtype=jnp.float32)
     probs = standardize(logits, sampling)  # [b, v]
     return draw_tokens(step_keys[:, i], probs, sampling), probs
   return draw
