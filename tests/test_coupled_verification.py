@@ -116,15 +116,15 @@ def test_coupled_output_is_the_baselines(name):
 
 
 def test_coupled_draws_agree_more_than_fresh_noise():
-  # The same near copy, with and without its position's noise (50 seeds' worth of
-  # rows): coupling the draws is what makes a close draft agree.
-  coupled = _coupled_run('near_copy', T1, 2).stats
+  # The same near copy, with and without its position's noise: coupling the draws is
+  # what makes a close draft agree. (The coupled run shares the self case's program.)
   drafter, drafter_params = spec_tests._drafter_setup('near_copy')
-  fresh = speculative_generate(
+  run = lambda drafter: speculative_generate(  # noqa: E731
       spec_tests._target_params(), drafter_params, spec_tests._encoder_tokens(), RNG,
-      target_config=TARGET, drafter=_WithoutCoupledDraws(drafter),
-      spec=SpeculativeConfig(gamma=2, verification='coupled'), max_decode_length=MAX_LEN,
-      sampling=T1).stats
+      target_config=TARGET, drafter=drafter,
+      spec=SpeculativeConfig(gamma=3, verification='coupled'), max_decode_length=MAX_LEN,
+      sampling=T1, record_trace=True, on_nonfinite='ignore').stats
+  coupled, fresh = run(drafter), run(_WithoutCoupledDraws(drafter))
   assert float(coupled.alpha) > 0.7 and float(fresh.alpha) < 0.5 * float(coupled.alpha)
 
 
@@ -147,7 +147,7 @@ def test_coupled_nan_rows_stop_and_keep_the_baselines_tokens():
   token, _ = spec_tests._token_reached_mid_output()
   params = spec_tests._with_nan_embedding(spec_tests._target_params(), token)
   baseline = _baseline(T1, params)
-  result = _coupled_run('near_copy', T1, 3, target_params=params)
+  result = _coupled_run('self', T1, 3, target_params=params)  # the self case's program
   broken = np.asarray(baseline.nonfinite_logits)
   np.testing.assert_array_equal(result.output.nonfinite_logits, broken)
   assert 0 < broken.sum() < len(broken)
