@@ -5,7 +5,9 @@ Each iteration, for every row independently:
   2. the target scores [x_length, d_1..d_g] in ONE cached decode step (g+1 positions
      at the row's own cache offset), giving p_1..p_{g+1};
   3. speculative sampling accepts n drafts and draws the next token (residual
-     sample at the first rejection, bonus sample from p_{g+1} if all pass);
+     sample at the first rejection, bonus sample from p_{g+1} if all pass); with
+     verification='coupled' drafts count while they equal the target's own draws with
+     the baseline's per-position noise, and the next token is the target's draw;
   4. d_1..d_n and the next token are committed (clipped at EOS and the max length);
      both caches are rolled back by index at their next use.
 
