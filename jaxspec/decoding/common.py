@@ -53,5 +53,4 @@ def position_keys(row_keys, start, count: int):
   start[b] + j is fold_in(row_keys[b], start[b] + j), the key the baseline samples that
   position with (so coupled verification draws the baseline's tokens)."""
   positions = start[:, None] + jnp.arange(count, dtype=jnp.int32)[None, :]  # [b, count]
-  return jax.vmap(lambda key, row: jax.vmap(lambda p: jax.random.fold_in(key, p))(row))(
-      row_keys, positions)
+  return jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))(row_keys, positions)

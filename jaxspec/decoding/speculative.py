@@ -187,12 +187,6 @@ def _argmax_verdict(spec: SpeculativeConfig, sampling: SamplingConfig) -> bool:
   return sampling.is_greedy and spec.lenience == 1.0 and spec.verification == 'token'
 
 
-def _coupled(spec: SpeculativeConfig) -> bool:
-  """Whether the iteration runs coupled verification (at temperature 0: drafts and
-  target tokens by argmax, no q)."""
-  return spec.verification == 'coupled'
-
-
 def _verdict(keys, drafts, draft_probs, target_logits, target_probs, num_drafts, *,
              spec: SpeculativeConfig, sampling: SamplingConfig):
   """The accept step of every row: keys [b], drafts [b, g], q [b, g, v], logits and p
@@ -272,7 +266,7 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
     return _multi_draft_iteration(
         state, target_params, drafter_params, encoder_tokens, target_config=target_config,
         drafter=drafter, spec=spec, sampling=sampling, eos_id=eos_id)
-  if _coupled(spec):
+  if spec.verification == 'coupled':  # at temperature 0 too: argmax drafts, no q
     return _coupled_iteration(
         state, target_params, drafter_params, encoder_tokens, target_config=target_config,
         drafter=drafter, spec=spec, sampling=sampling, eos_id=eos_id)
