@@ -45,10 +45,10 @@ def test_kernel_matches_float64_product(rows, inputs, outputs):
 @needs_kernel
 def test_a_row_is_bit_identical_whatever_rows_share_the_product():
   """What keeps a verify step's logits equal to the one-position steps' logits."""
-  x, w_t = _operands(9, 260, 600, seed=1)
+  x, w_t = _operands(16, 260, 600, seed=1)
   x, w_t = jnp.asarray(x), jnp.asarray(w_t)
-  singles = np.stack([np.asarray(_kernel(x[n:n + 1], w_t))[0] for n in range(9)])
-  for k in range(2, 10):
+  singles = np.stack([np.asarray(_kernel(x[n:n + 1], w_t))[0] for n in range(16)])
+  for k in range(2, 17):  # Every count of rows per register block, and several passes.
     np.testing.assert_array_equal(np.asarray(_kernel(x[:k], w_t)), singles[:k])
   # Leading dims are rows too: [b, t, in].
   np.testing.assert_array_equal(np.asarray(_kernel(x[:8].reshape(2, 4, 260), w_t)),
@@ -126,6 +126,63 @@ def test_no_compiler_or_a_failed_build_falls_back_with_one_warning(monkeypatch, 
   x, w_t = (jnp.asarray(a) for a in _operands(2, 16, 24))
   np.testing.assert_allclose(np.asarray(cpu_matmul.matmul_transposed(x[None], w_t))[0],
                              np.asarray(x) @ np.asarray(w_t).T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_instruction_set_follows_the_cpu_and_the_environment(monkeypatch):
+  monkeypatch.delenv('JAXSPEC_KERNEL_ISA', raising=False)
+  monkeypatch.setattr(cpu_matmul, '_cpu_flags', lambda: {'avx2', 'fma', 'avx512f'})
+  assert cpu_matmul.kernel_isa() == 'avx512'
+  monkeypatch.setattr(cpu_matmul, '_cpu_flags', lambda: {'avx2', 'fma'})
+  assert cpu_matmul.kernel_isa() == 'avx2'
+  monkeypatch.setenv('JAXSPEC_KERNEL_ISA', 'avx512')  # Asked for what the CPU lacks.
+  assert cpu_matmul.kernel_isa() is None
+  monkeypatch.setenv('JAXSPEC_KERNEL_ISA', 'avx2')
+  assert cpu_matmul.kernel_isa() == 'avx2'
+  monkeypatch.setattr(cpu_matmul, '_cpu_flags', lambda: {'avx2'})
+  assert cpu_matmul.kernel_isa() is None
+  monkeypatch.setenv('JAXSPEC_KERNEL_ISA', 'sse')
+  with pytest.raises(ValueError, match='JAXSPEC_KERNEL_ISA'):
+    cpu_matmul.kernel_isa()
+  # Each build is cached under its own name.
+  assert cpu_matmul.library_path('g++', 'avx2') != cpu_matmul.library_path('g++', 'avx512')
+  assert '-mavx512f' in cpu_matmul.compile_flags('avx512')
+  assert '-mavx512f' not in cpu_matmul.compile_flags('avx2')
+
+
+_OTHER_BUILD_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from jaxspec.model import cpu_matmul
+assert cpu_matmul.kernel_isa() == 'avx2' and cpu_matmul.kernel_available()
+rng = np.random.default_rng(5)
+x = rng.standard_normal((16, 260)).astype(np.float32)
+w = rng.standard_normal((600, 260)).astype(np.float32)
+kernel = jax.jit(cpu_matmul.few_row_matmul)
+singles = np.stack([np.asarray(kernel(jnp.asarray(x[n:n + 1]), jnp.asarray(w)))[0]
+                    for n in range(16)])
+for k in range(2, 17):
+  np.testing.assert_array_equal(np.asarray(kernel(jnp.asarray(x[:k]), jnp.asarray(w))),
+                                singles[:k])
+scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+assert np.all(np.abs(singles - x.astype(np.float64) @ w.astype(np.float64).T)
+              <= 1e-6 * scale + 1e-6)
+print('avx2 build ok')
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(cpu_matmul.kernel_isa() != 'avx512',
+                    reason='the AVX2 build is the default where the CPU lacks AVX-512')
+def test_the_avx2_build_on_an_avx512_cpu():
+  """The tests above run the AVX-512 build here; the AVX2 build (CPUs without AVX-512)
+  keeps its exactness property too, in a process of its own."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, JAXSPEC_KERNEL_ISA='avx2', JAX_PLATFORMS='cpu')
+  result = subprocess.run([sys.executable, '-c', _OTHER_BUILD_CHECK], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'avx2 build ok' in result.stdout
 
 
 # The int8 handler (int8 drafts): weights int8 [out, in] with a scale per output, each

@@ -4,8 +4,8 @@ A decode step multiplies 1..gamma+1 positions by every weight matrix. XLA:CPU ru
 row at memory speed but 2..9 rows through a matrix-matrix path that costs about twice
 as much, so a verify step costs ~2x a one-position step (docs/design.md, "Kernel layout
 and the cost of a verify step"). `cpu_kernels/few_row_matmul.cc` is an XLA FFI handler
-that reads each weight once and keeps every row in registers (AVX2 + FMA, the rows
-split across XLA's intra-op threads): k rows cost little more than one, and the
+that reads each weight once and keeps every row in registers (AVX2 + FMA, or AVX-512
+where the CPU has it: `kernel_isa`; the outputs split across the kernel's helper threads): k rows cost little more than one, and the
 one-row product is faster than XLA's.
 
   few_row_matmul(x, w_t)             x [..., in] @ w_t [out, in]^T through the kernel
@@ -28,9 +28,9 @@ the results differ by float32 rounding only (tests/test_cpu_matmul.py).
 The source is compiled on first use with the C++ compiler found as $CXX, g++ or c++,
 against the FFI headers jaxlib ships, into a cache directory ($JAXSPEC_KERNEL_CACHE,
 default ~/.cache/jaxspec/kernels) under a name keyed by the source, the compiler
-flags and the jaxlib version. Without a compiler, AVX2 or FMA, or when the build
-fails, one warning says why and every product runs through XLA (same results up to
-rounding, slower verify steps).
+flags (the instruction set among them) and the jaxlib version. Without a compiler,
+AVX2 or FMA, or when the build fails, one warning says why and every product runs
+through XLA (same results up to rounding, slower verify steps).
 """
 
 from __future__ import annotations
@@ -58,7 +58,13 @@ MAX_ROWS = 16  # The kernel's limit on rows per product (kMaxRows in the source)
 TARGET_NAME = 'jaxspec_few_row_matmul'
 INT8_TARGET_NAME = 'jaxspec_few_row_matmul_int8'
 SOURCE = pathlib.Path(__file__).parent / 'cpu_kernels' / 'few_row_matmul.cc'
-COMPILE_FLAGS = ('-O3', '-mavx2', '-mfma', '-std=c++17', '-shared', '-fPIC', '-pthread', '-w')
+COMPILE_FLAGS = ('-O3', '-std=c++17', '-shared', '-fPIC', '-pthread', '-w')
+# The instruction sets the kernel is built for: AVX-512 (16-lane float32 vectors, 32
+# registers) where the CPU has it, else AVX2 + FMA. $JAXSPEC_KERNEL_ISA ('avx2' or
+# 'avx512') chooses one; a row's float32 results depend on the choice (its lanes of
+# summation), so compare decoders only within one build.
+ISA_FLAGS = {'avx2': ('-mavx2', '-mfma'), 'avx512': ('-mavx2', '-mfma', '-mavx512f')}
+ISA_CPU_FLAGS = {'avx2': {'avx2', 'fma'}, 'avx512': {'avx2', 'fma', 'avx512f'}}
 _SYMBOLS = {TARGET_NAME: 'JaxspecFewRowMatmul', INT8_TARGET_NAME: 'JaxspecFewRowMatmulInt8'}
 
 
@@ -73,18 +79,37 @@ def xla_matmul_transposed(x, w_t):
   return jnp.einsum('...i,oi->...o', x, w_t)
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_flags() -> set[str]:
+  """This CPU's feature flags (/proc/cpuinfo; empty off x86-64 Linux)."""
   if platform.machine().lower() not in ('x86_64', 'amd64'):
-    return False
+    return set()
   try:
     with open('/proc/cpuinfo') as cpuinfo:
       for line in cpuinfo:
         if line.startswith('flags'):
-          flags = set(line.split(':', 1)[1].split())
-          return {'avx2', 'fma'} <= flags
+          return set(line.split(':', 1)[1].split())
   except OSError:
     pass
-  return False
+  return set()
+
+
+def kernel_isa() -> str | None:
+  """The instruction set the kernel is built for here ($JAXSPEC_KERNEL_ISA, else the
+  widest this CPU has), or None where the CPU lacks AVX2 or FMA."""
+  flags = _cpu_flags()
+  chosen = os.environ.get('JAXSPEC_KERNEL_ISA')
+  if chosen is not None:
+    if chosen not in ISA_FLAGS:
+      raise ValueError(f'JAXSPEC_KERNEL_ISA must be one of {sorted(ISA_FLAGS)}, got {chosen!r}')
+    return chosen if ISA_CPU_FLAGS[chosen] <= flags else None
+  for isa in ('avx512', 'avx2'):
+    if ISA_CPU_FLAGS[isa] <= flags:
+      return isa
+  return None
+
+
+def compile_flags(isa: str) -> tuple[str, ...]:
+  return COMPILE_FLAGS + ISA_FLAGS[isa]
 
 
 def _compiler() -> str | None:
@@ -100,22 +125,22 @@ def cache_dir() -> pathlib.Path:
   return pathlib.Path(os.environ.get('JAXSPEC_KERNEL_CACHE', default / 'jaxspec' / 'kernels'))
 
 
-def library_path(compiler: str) -> pathlib.Path:
+def library_path(compiler: str, isa: str) -> pathlib.Path:
   """The built library's path, keyed by source, compiler, flags and jaxlib version."""
   key = hashlib.sha256()
-  for part in (SOURCE.read_bytes(), compiler.encode(), ' '.join(COMPILE_FLAGS).encode(),
+  for part in (SOURCE.read_bytes(), compiler.encode(), ' '.join(compile_flags(isa)).encode(),
                jaxlib.__version__.encode()):
     key.update(part)
     key.update(b'\0')
   return cache_dir() / f'few_row_matmul-{key.hexdigest()[:16]}.so'
 
 
-def build(compiler: str, path: pathlib.Path) -> None:
+def build(compiler: str, path: pathlib.Path, isa: str) -> None:
   """Compiles SOURCE into `path` (atomically: concurrent builders never see half a file)."""
   path.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
     built = pathlib.Path(scratch) / path.name
-    command = [compiler, *COMPILE_FLAGS, f'-I{jax.ffi.include_dir()}', str(SOURCE),
+    command = [compiler, *compile_flags(isa), f'-I{jax.ffi.include_dir()}', str(SOURCE),
                '-o', str(built)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
@@ -126,15 +151,17 @@ def build(compiler: str, path: pathlib.Path) -> None:
 @functools.cache
 def kernel_available() -> bool:
   """Builds (first call per cache) and registers the kernel; False, warning once, if it can't."""
-  if not _cpu_has_avx2_fma():
-    return _unavailable('this CPU lacks AVX2 or FMA')
+  isa = kernel_isa()
+  if isa is None:
+    return _unavailable('this CPU lacks AVX2 or FMA (or the instructions of '
+                        '$JAXSPEC_KERNEL_ISA)')
   compiler = _compiler()
   if compiler is None:
     return _unavailable('no C++ compiler ($CXX, g++, c++ or clang++) is on PATH')
   try:
-    path = library_path(compiler)
+    path = library_path(compiler, isa)
     if not path.exists():
-      build(compiler, path)
+      build(compiler, path, isa)
     library = ctypes.cdll.LoadLibrary(str(path))
     for target, symbol in _SYMBOLS.items():
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),

@@ -11,7 +11,8 @@
 // whatever the number of rows, the register blocking or the thread split, so row n of
 // a k-row product is bit-identical to the one-row product of x[n].
 //
-// AVX2 + FMA; jaxspec.model.cpu_matmul builds it on first use where the CPU has both.
+// AVX2 + FMA, and 16-lane float32 products where built with -mavx512f;
+// jaxspec.model.cpu_matmul builds it on first use for the widest of the two this CPU has.
 
 #include <immintrin.h>
 
@@ -37,17 +38,36 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// The float32 products' vectors: 16 lanes with AVX-512 (built with -mavx512f where the
+// CPU has it: 32 vector registers, so register blocks of more rows), else 8 lanes of
+// AVX2. A row's result depends on the build (the
+// lanes of its sum), never on the rows beside it.
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kVecLanes = 16;
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline __m256 Halves(Vec v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
 using Vec = __m256;
-constexpr int64_t kLanes = 8;
+constexpr int64_t kVecLanes = 8;
 inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec Zero() { return _mm256_setzero_ps(); }
-inline float HorizontalSum(Vec v) {
+inline __m256 Halves(Vec v) { return v; }
+#endif
+inline float HorizontalSum(Vec vector) {
+  const __m256 v = Halves(vector);
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
+constexpr int64_t kLanes = 8;  // AVX2 lanes of the int8 path's activation quantization
 constexpr int64_t kMaxRows = 16;  // jaxspec.model.cpu_matmul.MAX_ROWS
 constexpr int64_t kOutputsPerTask = 64;  // outputs per thread at least (fewer: fewer threads)
 constexpr int64_t kFloatsPerLine = 16;  // 64-byte cache lines
@@ -68,7 +88,7 @@ inline void Block(const float* x, const float* w, Vec* acc, int64_t in, int64_t 
   for (int c = 0; c < C; ++c) xc[c] = x + (n + c) * in;
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = Zero();
-  for (int64_t i = 0; i < in8; i += kLanes) {
+  for (int64_t i = 0; i < in8; i += kVecLanes) {
     if (kPrefetch && i % kFloatsPerLine == 0) {
       // Prefetches never fault: past the last row of w they fetch nothing useful.
       for (int r = 0; r < R; ++r)
@@ -89,25 +109,19 @@ inline void Block(const float* x, const float* w, Vec* acc, int64_t in, int64_t 
 template <int R, int C, bool kPrefetch>
 inline void BlockOf(int count, const float* x, const float* w, Vec* acc, int64_t in,
                     int64_t in8, int64_t o, int64_t n) {
-  if constexpr (C >= 4) {
-    if (count == 4) return Block<R, 4, kPrefetch>(x, w, acc, in, in8, o, n);
+  if constexpr (C > 1) {
+    if (count < C) return BlockOf<R, C - 1, kPrefetch>(count, x, w, acc, in, in8, o, n);
   }
-  if constexpr (C >= 3) {
-    if (count == 3) return Block<R, 3, kPrefetch>(x, w, acc, in, in8, o, n);
-  }
-  if constexpr (C >= 2) {
-    if (count == 2) return Block<R, 2, kPrefetch>(x, w, acc, in, in8, o, n);
-  }
-  Block<R, 1, kPrefetch>(x, w, acc, in, in8, o, n);
+  Block<R, C, kPrefetch>(x, w, acc, in, in8, o, n);
 }
 
 // y[:, o..o+R) for all rows, C rows of x at a time.
 template <int R, int C>
 void OutputBlock(const float* x, const float* w, float* y, int64_t rows, int64_t in,
                  int64_t out, int64_t o) {
-  static_assert(C >= 1 && C <= 4, "blocks of 1..4 rows");
+  static_assert(C >= 1 && C <= kMaxRows, "blocks of 1..kMaxRows rows");
   Vec acc[R * kMaxRows];
-  const int64_t in8 = in - in % kLanes;
+  const int64_t in8 = in - in % kVecLanes;
   for (int64_t n = 0; n < rows;) {
     const int count = static_cast<int>(std::min<int64_t>(C, rows - n));
     if (n == 0) {
@@ -135,10 +149,22 @@ int64_t OutputBlocks(const float* x, const float* w, float* y, int64_t rows, int
   return o;
 }
 
-// y[:, begin..end). The register blocks (outputs x rows: 4 x 1, 4 x 2, 3 x 4) were the
-// fastest measured on AVX2 (16 vector registers) for 1, 2 and 3..16 rows.
+// y[:, begin..end). The register blocks (outputs x rows) were the fastest measured:
+// with AVX2 (16 vector registers) 4 x 1, 4 x 2 and 3 x 4 for 1, 2 and 3..16 rows; with
+// AVX-512 (32) 4 x 1, 4 x 2 and 4 x 5 (a 9-position verify step in two passes: 3 x 9
+// in one pass, 3 x 8, 4 x 4, 4 x 6, 5 x 5 and 6 x 4 were all slower).
+#ifndef JAXSPEC_MANY_ROWS_R
+#if defined(__AVX512F__)
+#define JAXSPEC_MANY_ROWS_R 4
+#define JAXSPEC_MANY_ROWS_C 5
+#else
+#define JAXSPEC_MANY_ROWS_R 3
+#define JAXSPEC_MANY_ROWS_C 4
+#endif
+#endif
 void Outputs(const float* x, const float* w, float* y, int64_t rows, int64_t in,
              int64_t out, int64_t begin, int64_t end) {
+  constexpr int kR = JAXSPEC_MANY_ROWS_R, kC = JAXSPEC_MANY_ROWS_C;
   int64_t o = begin;
   if (rows == 1) {
     o = OutputBlocks<4, 1>(x, w, y, rows, in, out, o, end);
@@ -147,8 +173,8 @@ void Outputs(const float* x, const float* w, float* y, int64_t rows, int64_t in,
     o = OutputBlocks<4, 2>(x, w, y, rows, in, out, o, end);
     OutputBlocks<1, 2>(x, w, y, rows, in, out, o, end);
   } else {
-    o = OutputBlocks<3, 4>(x, w, y, rows, in, out, o, end);
-    OutputBlocks<1, 4>(x, w, y, rows, in, out, o, end);
+    o = OutputBlocks<kR, kC>(x, w, y, rows, in, out, o, end);
+    OutputBlocks<1, kC>(x, w, y, rows, in, out, o, end);
   }
 }
 
