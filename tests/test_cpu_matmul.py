@@ -31,7 +31,7 @@ def _operands(rows, inputs, outputs, seed=0):
 @pytest.mark.parametrize('rows,inputs,outputs', [
     (1, 64, 40),  # one row, one thread (fewer than 2 x 64 outputs)
     (3, 77, 515),  # a tail of inputs past the last 8-lane block; outputs split in parts
-    (16, 512, 1030),  # the most rows; outputs not a multiple of the 8- and 4-row blocks
+    (32, 512, 1030),  # the most rows; outputs not a multiple of the 8- and 4-row blocks
 ])
 def test_kernel_matches_float64_product(rows, inputs, outputs):
   x, w_t = _operands(rows, inputs, outputs)
@@ -45,10 +45,11 @@ def test_kernel_matches_float64_product(rows, inputs, outputs):
 @needs_kernel
 def test_a_row_is_bit_identical_whatever_rows_share_the_product():
   """What keeps a verify step's logits equal to the one-position steps' logits."""
-  x, w_t = _operands(16, 260, 600, seed=1)
+  x, w_t = _operands(32, 260, 600, seed=1)
   x, w_t = jnp.asarray(x), jnp.asarray(w_t)
-  singles = np.stack([np.asarray(_kernel(x[n:n + 1], w_t))[0] for n in range(16)])
-  for k in range(2, 17):  # Every count of rows per register block, and several passes.
+  singles = np.stack([np.asarray(_kernel(x[n:n + 1], w_t))[0] for n in range(32)])
+  # Every count of rows in a register block, and several passes up to the most rows.
+  for k in (*range(2, 11), 13, 16, 17, 24, 31, 32):
     np.testing.assert_array_equal(np.asarray(_kernel(x[:k], w_t)), singles[:k])
   # Leading dims are rows too: [b, t, in].
   np.testing.assert_array_equal(np.asarray(_kernel(x[:8].reshape(2, 4, 260), w_t)),
@@ -58,8 +59,8 @@ def test_a_row_is_bit_identical_whatever_rows_share_the_product():
 @needs_kernel
 def test_where_the_kernel_applies():
   w_t = jnp.ones((32, 8), jnp.float32)
-  assert cpu_matmul.applies(jnp.ones((1, 16, 8), jnp.float32), w_t)
-  assert not cpu_matmul.applies(jnp.ones((2, 9, 8), jnp.float32), w_t)  # 18 rows
+  assert cpu_matmul.applies(jnp.ones((1, 32, 8), jnp.float32), w_t)
+  assert not cpu_matmul.applies(jnp.ones((3, 11, 8), jnp.float32), w_t)  # 33 rows
   assert not cpu_matmul.applies(jnp.ones((1, 4, 8), jnp.bfloat16), w_t)
   assert not cpu_matmul.applies(jnp.ones((1, 0, 8), jnp.float32), w_t)
 
@@ -69,7 +70,7 @@ def test_where_the_kernel_applies():
 
   assert calls_kernel(jnp.ones((1, 4, 8), jnp.float32), cpu_matmul.KERNEL)
   assert not calls_kernel(jnp.ones((1, 4, 8), jnp.float32), cpu_matmul.XLA)
-  assert not calls_kernel(jnp.ones((2, 9, 8), jnp.float32), cpu_matmul.KERNEL)
+  assert not calls_kernel(jnp.ones((3, 11, 8), jnp.float32), cpu_matmul.KERNEL)
   with pytest.raises(ValueError, match='cpu_matmul'):
     cpu_matmul.matmul_transposed(jnp.ones((1, 4, 8), jnp.float32), w_t, 'fast')
   with pytest.raises(ValueError, match='cpu_matmul'):
@@ -239,7 +240,7 @@ def test_int8_rows_are_independent_and_xla_runs_where_the_kernel_cannot():
 
   assert calls_kernel(x[None], cpu_matmul.KERNEL)
   assert not calls_kernel(x[None], cpu_matmul.XLA)
-  assert not calls_kernel(jnp.ones((2, 9, 100), jnp.float32), cpu_matmul.KERNEL)  # 18 rows
+  assert not calls_kernel(jnp.ones((3, 11, 100), jnp.float32), cpu_matmul.KERNEL)  # 33 rows
   many = jnp.ones((2, 9, 100), jnp.float32)
   np.testing.assert_allclose(np.asarray(cpu_matmul.matmul_int8(many, w_q, scale)),
                              _int8_reference(np.ones((18, 100), np.float32), np.asarray(w_q),

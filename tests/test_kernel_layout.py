@@ -26,7 +26,7 @@ from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.drafters import T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.model import T5, init_params, kernel_layout
-from jaxspec.model.cpu_matmul import MAX_ROWS
+from jaxspec.model.cpu_matmul import TRANSPOSED_CONTRACTION_ROWS
 from jaxspec.sampling import SamplingConfig
 
 CONFIGS = ('test_tiny_1_1', 'test_tiny_1_0')
@@ -105,8 +105,9 @@ def test_model_computes_the_same_from_either_layout(name, num_steps, length):
   variables = {'params': _variables(name)['params']}
   transposed = kernel_layout.transposed_kernels(variables)
   rng = np.random.default_rng(0)
-  # Encoder inputs longer than MAX_ROWS take the other contraction.
-  encoder_tokens = jnp.asarray(rng.integers(2, 64, (2, MAX_ROWS + 4)), jnp.int32)
+  # Encoder inputs longer than TRANSPOSED_CONTRACTION_ROWS take the other contraction.
+  encoder_tokens = jnp.asarray(rng.integers(2, 64, (2, TRANSPOSED_CONTRACTION_ROWS + 4)),
+                               jnp.int32)
   decoder_tokens = jnp.asarray(rng.integers(2, 64, (2, length)), jnp.int32)
   reference = _forward_and_steps(variables, encoder_tokens, decoder_tokens, name=name,
                                  num_steps=num_steps)

@@ -54,7 +54,8 @@ import numpy as np
 from jaxspec.config import CPU_MATMUL_KERNEL as KERNEL
 from jaxspec.config import CPU_MATMUL_XLA as XLA
 from jaxspec.config import check_cpu_matmul
-MAX_ROWS = 16  # The kernel's limit on rows per product (kMaxRows in the source).
+MAX_ROWS = 32  # The kernel's limit on rows per product (kMaxRows in the source).
+TRANSPOSED_CONTRACTION_ROWS = 16  # XLA's [b, out, t] contraction up to this many positions.
 TARGET_NAME = 'jaxspec_few_row_matmul'
 INT8_TARGET_NAME = 'jaxspec_few_row_matmul_int8'
 SOURCE = pathlib.Path(__file__).parent / 'cpu_kernels' / 'few_row_matmul.cc'
@@ -71,10 +72,11 @@ _SYMBOLS = {TARGET_NAME: 'JaxspecFewRowMatmul', INT8_TARGET_NAME: 'JaxspecFewRow
 def xla_matmul_transposed(x, w_t):
   """x [..., in] @ w_t [out, in]^T -> [..., out] through XLA.
 
-  A [b, t, in] input with t <= MAX_ROWS is contracted into [b, out, t] and swapped:
-  for such shapes XLA:CPU picks a faster matmul than for x @ w_t.T.
+  A [b, t, in] input with t <= TRANSPOSED_CONTRACTION_ROWS is contracted into
+  [b, out, t] and swapped: for such shapes XLA:CPU picks a faster matmul than for
+  x @ w_t.T.
   """
-  if x.ndim == 3 and x.shape[1] <= MAX_ROWS:
+  if x.ndim == 3 and x.shape[1] <= TRANSPOSED_CONTRACTION_ROWS:
     return jnp.swapaxes(jnp.einsum('bti,oi->bot', x, w_t), 1, 2)  # [b, t, out]
   return jnp.einsum('...i,oi->...o', x, w_t)
 

@@ -68,7 +68,7 @@ inline float HorizontalSum(Vec vector) {
   return _mm_cvtss_f32(q);
 }
 constexpr int64_t kLanes = 8;  // AVX2 lanes of the int8 path's activation quantization
-constexpr int64_t kMaxRows = 16;  // jaxspec.model.cpu_matmul.MAX_ROWS
+constexpr int64_t kMaxRows = 32;  // jaxspec.model.cpu_matmul.MAX_ROWS
 constexpr int64_t kOutputsPerTask = 64;  // outputs per thread at least (fewer: fewer threads)
 constexpr int64_t kFloatsPerLine = 16;  // 64-byte cache lines
 constexpr int64_t kLineBytes = 64;
@@ -150,7 +150,7 @@ int64_t OutputBlocks(const float* x, const float* w, float* y, int64_t rows, int
 }
 
 // y[:, begin..end). The register blocks (outputs x rows) were the fastest measured:
-// with AVX2 (16 vector registers) 4 x 1, 4 x 2 and 3 x 4 for 1, 2 and 3..16 rows; with
+// with AVX2 (16 vector registers) 4 x 1, 4 x 2 and 3 x 4 for 1, 2 and 3..32 rows; with
 // AVX-512 (32) 4 x 1, 4 x 2 and 4 x 5 (a 9-position verify step in two passes: 3 x 9
 // in one pass, 3 x 8, 4 x 4, 4 x 6, 5 x 5 and 6 x 4 were all slower).
 #ifndef JAXSPEC_MANY_ROWS_R
@@ -351,7 +351,7 @@ ffi::Error RowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
   if (x_dims.size() < 1 || x_dims.back() != in)
     return ffi::Error::InvalidArgument("x [..., in] does not match w [out, in]");
   *rows = in == 0 ? 0 : x_count / in;
-  if (*rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than 16 rows");
+  if (*rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than kMaxRows rows");
   return ffi::Error::Success();
 }
 
