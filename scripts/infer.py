@@ -210,35 +210,65 @@ RECORD_FIELDS = {'baseline': _sampled_fields, 'speculative': _speculative_fields
                  'beam': _beam_fields, 'speculative_beam': _speculative_beam_fields}
 
 
-def _run_decoder(name, decode, batches, examples, vocab, writer, progress_position,
-                 fingerprint, input_shape):
-  """Decodes the batches whose examples are not in `writer` yet, appending records
-  that carry the run's settings fingerprint. input_shape(indices): the shape a batch
-  is decoded at; one batch of each is decoded first, compiling outside the timings."""
-  pending = [b for b in batches if any(i not in writer.records for i in b)]
-  if not pending:
-    return
+def _pending(batches, writer):
+  """The batches holding an example that `writer` has no record of yet."""
+  return [b for b in batches if any(i not in writer.records for i in b)]
+
+
+def _compile_shapes(decode, pending, input_shape):
+  """Decodes one batch of each input shape among `pending`, compiling outside the timings."""
   first_of_shape = {}
   for indices in pending:
     first_of_shape.setdefault(input_shape(indices), indices)
   for indices in first_of_shape.values():
     jax.block_until_ready(decode(indices))
-  for indices in tqdm.tqdm(pending, desc=name, unit='batch', position=progress_position,
-                           file=sys.stderr):
-    output, seconds = inference.timed(decode, indices)
-    output = jax.device_get(output)
-    records = []
-    for row, index in enumerate(indices):
-      fields = RECORD_FIELDS[name](output, row)
-      record = {'index': index, 'inputs': examples[index]['inputs'],
-                'targets': examples[index]['targets'],
-                'prediction': vocab.decode(fields['tokens']), **fields,
-                'batch_start': indices[0], 'batch_seconds': seconds,
-                'fingerprint': fingerprint}
-      if 'line' in examples[index]:
-        record['line'] = examples[index]['line']
-      records.append(record)
-    writer.append(records)
+
+
+def _decode_batch(name, decode, indices, examples, vocab, writer, fingerprint):
+  """Decodes one batch, timed, and appends its records (with the run's fingerprint)."""
+  output, seconds = inference.timed(decode, indices)
+  output = jax.device_get(output)
+  records = []
+  for row, index in enumerate(indices):
+    fields = RECORD_FIELDS[name](output, row)
+    record = {'index': index, 'inputs': examples[index]['inputs'],
+              'targets': examples[index]['targets'],
+              'prediction': vocab.decode(fields['tokens']), **fields,
+              'batch_start': indices[0], 'batch_seconds': seconds,
+              'fingerprint': fingerprint}
+    if 'line' in examples[index]:
+      record['line'] = examples[index]['line']
+    records.append(record)
+  writer.append(records)
+
+
+def _run_decoders(decode_fns, batches, examples, vocab, writers, fingerprint, input_shape,
+                  interleave: bool):
+  """Decodes the batches each decoder in `writers` has not recorded yet.
+
+  interleave: batch by batch, every decoder in turn on the same batch, so a change in
+  the machine's speed between the start and the end of a run reaches every decoder
+  alike and the walltime ratio compares like with like; else each decoder over every
+  batch, one decoder after the other."""
+  names = list(writers)
+  pending = {name: _pending(batches, writers[name]) for name in names}
+  for name in names:
+    if pending[name]:
+      _compile_shapes(decode_fns[name], pending[name], input_shape)
+  if interleave:
+    todo = {name: {b[0] for b in pending[name]} for name in names}
+    union = [b for b in batches if any(b[0] in todo[name] for name in names)]
+    for indices in tqdm.tqdm(union, desc=' + '.join(names), unit='batch', file=sys.stderr):
+      for name in names:
+        if indices[0] in todo[name]:
+          _decode_batch(name, decode_fns[name], indices, examples, vocab, writers[name],
+                        fingerprint)
+    return
+  for position, name in enumerate(names):
+    for indices in tqdm.tqdm(pending[name], desc=name, unit='batch', position=position,
+                             file=sys.stderr):
+      _decode_batch(name, decode_fns[name], indices, examples, vocab, writers[name],
+                    fingerprint)
 
 
 def task_scores(metric, targets, predictions) -> dict:
@@ -554,7 +584,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
           tfds_data_dir: str | None = None,
           partitioning: partitioning_lib.PartitioningConfig | None = None,
           on_settings_change: str = 'error', input_file: str | None = None,
-          input_field: str | None = None, view_examples: int = 0) -> dict:
+          input_field: str | None = None, view_examples: int = 0,
+          interleave: bool = True) -> dict:
   """Runs the decoders over the split (or input_file) and returns the summary.
 
   overlong_inputs: 'truncate' (as seqio, with a logged warning counting them) or
@@ -580,7 +611,12 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   with colours and written as <output_dir>/views/example_<i>.html.
   decoders: some of 'baseline' and 'speculative' (decoding under `sampling` and
   `speculative`), 'beam' and 'speculative_beam' (beam search under `beam`, the draft
-  proposing under `speculative_beam`; gin/decoding/beam.gin); one after the other.
+  proposing under `speculative_beam`; gin/decoding/beam.gin).
+  interleave: True decodes batch by batch, every decoder in turn on the same batch (a
+  drift in the machine's speed during the run reaches every decoder alike, so the
+  walltime ratios compare like with like); False runs each decoder over the whole
+  split, one after the other. Only timings depend on it, not outputs, so it is not
+  part of the settings a resumed run must match.
   """
   check_settings(
       target_model=target_model, drafter=drafter, decoders=decoders, batch_size=batch_size,
@@ -592,6 +628,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
       input_field=input_field, beam=beam, speculative_beam=speculative_beam,
       partitioning=partitioning)
   validation.check_integer('view_examples', view_examples, 0)
+  if not isinstance(interleave, bool):
+    raise ValueError(f'infer.interleave must be True or False, got {interleave!r}')
   # Multi-host initialization must come before anything touches a device.
   partitioner = partitioning_lib.create_partitioner(partitioning) if partitioning else None
   check_memory(target_model, drafter, decoders, batch_size, input_length, max_decode_length,
@@ -620,7 +658,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
         max_decode_length=max_decode_length, batch_size=batch_size, sampling=sampling,
         speculative=speculative, decoders=decoders, seed=seed, partitioner=partitioner,
         input_length_buckets=input_length_buckets, own_text=input_file is not None,
-        view_examples=view_examples, beam=beam, speculative_beam=speculative_beam)
+        view_examples=view_examples, beam=beam, speculative_beam=speculative_beam,
+        interleave=interleave)
   finally:
     if lock is not None:
       lock.release()
@@ -631,7 +670,8 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
                           max_decode_length, batch_size, sampling, speculative, decoders,
                           seed, partitioner, own_text, input_length_buckets=(),
                           view_examples=0, beam=BeamConfig(),
-                          speculative_beam=SpeculativeBeamConfig()) -> dict:
+                          speculative_beam=SpeculativeBeamConfig(),
+                          interleave: bool = True) -> dict:
   """Loads the models, decodes what output_dir lacks and writes the summary."""
   examples, vocab = task.examples, task.vocab
   target_params = (partitioner.load_params(target_checkpoint, target_model) if partitioner
@@ -685,11 +725,8 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   writers = {name: open_writer(os.path.join(output_dir, f'{name}.jsonl'))
              for name in decoders}
   check_records(writers, examples, fingerprint)
-  # Interleaved batch by batch would mix caches in memory; one decoder after the
-  # other keeps each one's compiled program hot.
-  for position, name in enumerate(decoders):
-    _run_decoder(name, decode_fns[name], batches, examples, vocab, writers[name], position,
-                 fingerprint, lambda idx: batch_tokens(idx).shape)
+  _run_decoders(decode_fns, batches, examples, vocab, writers, fingerprint,
+                lambda idx: batch_tokens(idx).shape, interleave)
   if view_examples and 'speculative' in decoders:
     traced = lambda idx: speculative_generate(  # noqa: E731
         target_params, params, *pad_batch(idx), target_config=target_model,

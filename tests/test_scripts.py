@@ -228,6 +228,37 @@ def test_input_length_buckets_keep_the_outputs_and_compile_each_length_once(
   assert settings['settings']['input_length_buckets'] == [8, 12, 16]
 
 
+def test_decoders_run_interleaved_batch_by_batch_or_one_after_the_other(
+    tiny_checkpoints, monkeypatch):
+  """infer.interleave (default True): every decoder in turn on each batch, so drift in
+  the machine's speed reaches both timings alike; False: one decoder over the whole
+  split, then the other. Compiling (one decode per input shape) comes first either way;
+  the records are the same."""
+  tmp_path = tiny_checkpoints
+  calls = []
+  for name, attribute in (('baseline', 'generate'), ('speculative', 'speculative_generate')):
+    decode = getattr(infer_script, attribute)
+    monkeypatch.setattr(infer_script, attribute, lambda *args, _decode=decode, _name=name,
+                        **kwargs: (calls.append(_name), _decode(*args, **kwargs))[1])
+  orders = {}
+  for run, bindings in (('interleaved', []), ('sequential', ['infer.interleave=False'])):
+    calls.clear()
+    _parse(tmp_path, _infer_config(tmp_path),
+           bindings + ['infer.num_examples=3', 'infer.batch_size=1',
+                       f"infer.output_dir='{tmp_path / run}'"])
+    assert infer_script.infer()['identical_outputs'] == 3
+    orders[run] = list(calls)
+  warm_up = ['baseline', 'speculative']  # One input shape: one compiling decode each.
+  assert orders['interleaved'] == warm_up + ['baseline', 'speculative'] * 3
+  assert orders['sequential'] == warm_up + ['baseline'] * 3 + ['speculative'] * 3
+  for decoder in ('baseline', 'speculative'):
+    assert _predictions(tmp_path / 'interleaved', decoder) == _predictions(
+        tmp_path / 'sequential', decoder)
+  _parse(tmp_path, _infer_config(tmp_path), ['infer.interleave=1'])
+  with pytest.raises(ValueError, match='infer.interleave'):
+    infer_script.infer()
+
+
 # Interruption: scripts/infer.py as a subprocess, killed and started again.
 
 INTERRUPTED_EXAMPLES = 20
