@@ -131,8 +131,11 @@ def test_no_compiler_or_a_failed_build_falls_back_with_one_warning(monkeypatch, 
 
 def test_the_instruction_set_follows_the_cpu_and_the_environment(monkeypatch):
   monkeypatch.delenv('JAXSPEC_KERNEL_ISA', raising=False)
-  monkeypatch.setattr(cpu_matmul, '_cpu_flags', lambda: {'avx2', 'fma', 'avx512f'})
+  avx512 = {'avx2', 'fma', 'avx512f', 'avx512bw', 'avx512_vnni'}
+  monkeypatch.setattr(cpu_matmul, '_cpu_flags', lambda: avx512)
   assert cpu_matmul.kernel_isa() == 'avx512'
+  monkeypatch.setattr(cpu_matmul, '_cpu_flags', lambda: avx512 - {'avx512_vnni'})
+  assert cpu_matmul.kernel_isa() == 'avx2'  # AVX-512 without VNNI: the AVX2 build
   monkeypatch.setattr(cpu_matmul, '_cpu_flags', lambda: {'avx2', 'fma'})
   assert cpu_matmul.kernel_isa() == 'avx2'
   monkeypatch.setenv('JAXSPEC_KERNEL_ISA', 'avx512')  # Asked for what the CPU lacks.
@@ -146,11 +149,12 @@ def test_the_instruction_set_follows_the_cpu_and_the_environment(monkeypatch):
     cpu_matmul.kernel_isa()
   # Each build is cached under its own name.
   assert cpu_matmul.library_path('g++', 'avx2') != cpu_matmul.library_path('g++', 'avx512')
-  assert '-mavx512f' in cpu_matmul.compile_flags('avx512')
+  assert {'-mavx512f', '-mavx512vnni'} <= set(cpu_matmul.compile_flags('avx512'))
   assert '-mavx512f' not in cpu_matmul.compile_flags('avx2')
 
 
 _OTHER_BUILD_CHECK = """
+import sys
 import jax, jax.numpy as jnp, numpy as np
 from jaxspec.model import cpu_matmul
 assert cpu_matmul.kernel_isa() == 'avx2' and cpu_matmul.kernel_available()
@@ -166,6 +170,11 @@ for k in range(2, 17):
 scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
 assert np.all(np.abs(singles - x.astype(np.float64) @ w.astype(np.float64).T)
               <= 1e-6 * scale + 1e-6)
+# Int8 products are exact integer sums: the parent compares them with its own build's.
+from jaxspec.model.quantization import quantize_rows
+w_q, w_scale = quantize_rows(w)
+np.save(sys.argv[1], np.asarray(jax.jit(cpu_matmul.few_row_matmul_int8)(
+    jnp.asarray(x), jnp.asarray(w_q), jnp.asarray(w_scale))))
 print('avx2 build ok')
 """
 
@@ -173,17 +182,26 @@ print('avx2 build ok')
 @needs_kernel
 @pytest.mark.skipif(cpu_matmul.kernel_isa() != 'avx512',
                     reason='the AVX2 build is the default where the CPU lacks AVX-512')
-def test_the_avx2_build_on_an_avx512_cpu():
+def test_the_avx2_build_on_an_avx512_cpu(tmp_path):
   """The tests above run the AVX-512 build here; the AVX2 build (CPUs without AVX-512)
-  keeps its exactness property too, in a process of its own."""
+  keeps its exactness property too, in a process of its own, and computes the same int8
+  products bit for bit (exact integer sums in both)."""
   import os
   import subprocess
   import sys
   env = dict(os.environ, JAXSPEC_KERNEL_ISA='avx2', JAX_PLATFORMS='cpu')
-  result = subprocess.run([sys.executable, '-c', _OTHER_BUILD_CHECK], env=env,
+  saved = tmp_path / 'int8.npy'
+  result = subprocess.run([sys.executable, '-c', _OTHER_BUILD_CHECK, str(saved)], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'avx2 build ok' in result.stdout
+  from jaxspec.model.quantization import quantize_rows
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((16, 260)).astype(np.float32)
+  w_q, w_scale = quantize_rows(rng.standard_normal((600, 260)).astype(np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(_int8_kernel(jnp.asarray(x), jnp.asarray(w_q), jnp.asarray(w_scale))),
+      np.load(saved))
 
 
 # The int8 handler (int8 drafts): weights int8 [out, in] with a scale per output, each
@@ -213,6 +231,7 @@ _int8_kernel = jax.jit(cpu_matmul.few_row_matmul_int8)
     (1, 64, 40),  # one row, one thread
     (2, 77, 515),  # a tail past the last 32-byte block; outputs split in parts
     (11, 512, 1030),  # rows in blocks of 4 and a remainder; an outputs remainder
+    (32, 130, 203),  # the most rows; a tail past the last 64-byte block (VNNI)
 ])
 def test_int8_kernel_equals_its_integer_reference_and_xla(rows, inputs, outputs):
   x, w_q, scale = _int8_operands(rows, inputs, outputs)

@@ -61,11 +61,14 @@ INT8_TARGET_NAME = 'jaxspec_few_row_matmul_int8'
 SOURCE = pathlib.Path(__file__).parent / 'cpu_kernels' / 'few_row_matmul.cc'
 COMPILE_FLAGS = ('-O3', '-std=c++17', '-shared', '-fPIC', '-pthread', '-w')
 # The instruction sets the kernel is built for: AVX-512 (16-lane float32 vectors, 32
-# registers) where the CPU has it, else AVX2 + FMA. $JAXSPEC_KERNEL_ISA ('avx2' or
-# 'avx512') chooses one; a row's float32 results depend on the choice (its lanes of
-# summation), so compare decoders only within one build.
-ISA_FLAGS = {'avx2': ('-mavx2', '-mfma'), 'avx512': ('-mavx2', '-mfma', '-mavx512f')}
-ISA_CPU_FLAGS = {'avx2': {'avx2', 'fma'}, 'avx512': {'avx2', 'fma', 'avx512f'}}
+# registers; int8 products by VNNI) where the CPU has it, else AVX2 + FMA.
+# $JAXSPEC_KERNEL_ISA ('avx2' or 'avx512') chooses one; a row's float32 results depend on
+# the choice (its lanes of summation), so compare decoders only within one build (int8
+# products are exact integer sums, the same in both).
+ISA_FLAGS = {'avx2': ('-mavx2', '-mfma'),
+             'avx512': ('-mavx2', '-mfma', '-mavx512f', '-mavx512bw', '-mavx512vnni')}
+ISA_CPU_FLAGS = {'avx2': {'avx2', 'fma'},
+                 'avx512': {'avx2', 'fma', 'avx512f', 'avx512bw', 'avx512_vnni'}}
 _SYMBOLS = {TARGET_NAME: 'JaxspecFewRowMatmul', INT8_TARGET_NAME: 'JaxspecFewRowMatmulInt8'}
 
 

@@ -11,8 +11,9 @@
 // whatever the number of rows, the register blocking or the thread split, so row n of
 // a k-row product is bit-identical to the one-row product of x[n].
 //
-// AVX2 + FMA, and 16-lane float32 products where built with -mavx512f;
-// jaxspec.model.cpu_matmul builds it on first use for the widest of the two this CPU has.
+// AVX2 + FMA, and where built for AVX-512 (-mavx512f, -mavx512bw, -mavx512vnni) 16-lane
+// float32 products and VNNI int8 products; jaxspec.model.cpu_matmul builds it on first
+// use for the widest of the two this CPU has.
 
 #include <immintrin.h>
 
@@ -386,22 +387,24 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // to float32. On CPU the step of an int8 draft is then bound by memory, not arithmetic.
 
 constexpr int64_t kInt8Lanes = 32;
+constexpr int64_t kInt8PaddedTo = 64;  // a multiple of either build's int8 vector bytes
 constexpr int64_t kInt8PrefetchBytes = 8192;
 constexpr float kInt8Max = 127.0f;
 
-// x's rows quantized to int8, zero-padded to a multiple of kInt8Lanes.
+// x's rows quantized to int8, zero-padded to a multiple of kInt8PaddedTo.
 struct QuantizedRows {
   int64_t padded = 0;
   std::vector<int8_t> value;  // [rows, padded]
   std::vector<uint8_t> magnitude;  // |value|
   float scale[kMaxRows] = {};
+  int32_t total[kMaxRows] = {};  // sum of each row's values (the VNNI path's offset)
 };
 
 // Vectorized where it can be: _mm256_div_ps divides exactly as the scalar division does
 // and _mm256_round_ps rounds half to even as nearbyint does, so every lane equals the
 // scalar tail's result (and jaxspec.model.cpu_matmul.quantize_activations).
 void QuantizeRows(const float* x, int64_t rows, int64_t in, QuantizedRows* q) {
-  q->padded = (in + kInt8Lanes - 1) / kInt8Lanes * kInt8Lanes;
+  q->padded = (in + kInt8PaddedTo - 1) / kInt8PaddedTo * kInt8PaddedTo;
   q->value.assign(rows * q->padded, 0);  // Keeps its capacity from call to call.
   q->magnitude.assign(rows * q->padded, 0);
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
@@ -438,6 +441,9 @@ void QuantizeRows(const float* x, int64_t rows, int64_t in, QuantizedRows* q) {
       value[i] = static_cast<int8_t>(v);
       magnitude[i] = static_cast<uint8_t>(std::fabs(v));
     }
+    int32_t total = 0;
+    for (int64_t i = 0; i < in; ++i) total += value[i];
+    q->total[m] = total;
   }
 }
 
@@ -448,6 +454,48 @@ inline int32_t HorizontalSumInt(__m256i v) {
   return _mm_cvtsi128_si32(q);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// AVX-512 VNNI: 64 products per dpbusd, which multiplies unsigned by signed bytes: the
+// weights are offset to unsigned (w + 128, an exclusive or of the sign bit) and each
+// row's sum corrected by 128 times the sum of its values, exact in int32 as the AVX2
+// path's sums are, so both builds give every int8 product bit for bit alike.
+inline int64_t Int8AheadBytes(int R, int64_t in) {
+  const int64_t blocks_ahead = (kInt8PrefetchBytes + R * in - 1) / (R * in);
+  return blocks_ahead * R * in;
+}
+
+template <int R, int C, bool kPrefetch>
+inline void Int8Block(const QuantizedRows& xq, const int8_t* w, int32_t* sums, int64_t in,
+                      int64_t o, int64_t n) {
+  constexpr int64_t kBytes = 64;
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i a[R][C];
+  const int8_t* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + (o + r) * in;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = _mm512_setzero_si512();
+  const int64_t ahead = Int8AheadBytes(R, in);
+  for (int64_t i = 0; i < in; i += kBytes) {
+    if (kPrefetch) {
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(wr[r] + ahead + i), _MM_HINT_T1);
+    }
+    // The last chunk of a row is loaded under a mask (zeros past `in`); x is zero-padded,
+    // so those lanes add nothing.
+    const __mmask64 mask = in - i >= kBytes ? ~__mmask64{0} : (__mmask64{1} << (in - i)) - 1;
+    __m512i wv[R];
+    for (int r = 0; r < R; ++r)
+      wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, wr[r] + i), offset);
+    for (int c = 0; c < C; ++c) {
+      const __m512i xv = _mm512_loadu_si512(&xq.value[(n + c) * xq.padded + i]);
+      for (int r = 0; r < R; ++r) a[r][c] = _mm512_dpbusd_epi32(a[r][c], wv[r], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      sums[r * kMaxRows + n + c] = _mm512_reduce_add_epi32(a[r][c]) - 128 * xq.total[n + c];
+}
+#else
 // Integer sums of w rows o..o+R-1 against quantized rows n..n+C-1 into
 // sums[r * kMaxRows + n + c]; kPrefetch as in Block.
 template <int R, int C, bool kPrefetch>
@@ -490,20 +538,15 @@ inline void Int8Block(const QuantizedRows& xq, const int8_t* w, int32_t* sums, i
     }
   }
 }
+#endif
 
 template <int R, int C, bool kPrefetch>
 inline void Int8BlockOf(int count, const QuantizedRows& xq, const int8_t* w, int32_t* sums,
                         int64_t in, int64_t o, int64_t n) {
-  if constexpr (C >= 4) {
-    if (count == 4) return Int8Block<R, 4, kPrefetch>(xq, w, sums, in, o, n);
+  if constexpr (C > 1) {
+    if (count < C) return Int8BlockOf<R, C - 1, kPrefetch>(count, xq, w, sums, in, o, n);
   }
-  if constexpr (C >= 3) {
-    if (count == 3) return Int8Block<R, 3, kPrefetch>(xq, w, sums, in, o, n);
-  }
-  if constexpr (C >= 2) {
-    if (count == 2) return Int8Block<R, 2, kPrefetch>(xq, w, sums, in, o, n);
-  }
-  Int8Block<R, 1, kPrefetch>(xq, w, sums, in, o, n);
+  Int8Block<R, C, kPrefetch>(xq, w, sums, in, o, n);
 }
 
 template <int R, int C>
@@ -529,6 +572,12 @@ int64_t Int8OutputBlocks(const QuantizedRows& xq, const int8_t* w, const float* 
   return o;
 }
 
+// Register blocks (outputs x rows) for 3+ rows: 2 x 4 with AVX2, 4 x 5 with VNNI.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kInt8ManyRowsR = 4, kInt8ManyRowsC = 5;
+#else
+constexpr int kInt8ManyRowsR = 2, kInt8ManyRowsC = 4;
+#endif
 void Int8Outputs(const QuantizedRows& xq, const int8_t* w, const float* scale, float* y,
                  int64_t rows, int64_t in, int64_t out, int64_t begin, int64_t end) {
   int64_t o = begin;
@@ -537,7 +586,8 @@ void Int8Outputs(const QuantizedRows& xq, const int8_t* w, const float* scale, f
   } else if (rows == 2) {
     o = Int8OutputBlocks<4, 2>(xq, w, scale, y, rows, in, out, o, end);
   } else {
-    o = Int8OutputBlocks<2, 4>(xq, w, scale, y, rows, in, out, o, end);
+    o = Int8OutputBlocks<kInt8ManyRowsR, kInt8ManyRowsC>(xq, w, scale, y, rows, in, out, o,
+                                                         end);
   }
   Int8OutputBlocks<1, 1>(xq, w, scale, y, rows, in, out, o, end);
 }
