@@ -1,5 +1,6 @@
 """Decodes a task split, or your own text, with the baseline and with speculative
-decoding, side by side; or with beam search and speculative beam search.
+decoding, side by side (batch by batch in turn, infer.interleave); or with beam search
+and speculative beam search.
 
   python scripts/infer.py                                   # configs/infer/ende45m_int8.gin
   python scripts/infer.py --gin_file=configs/infer/ende_local.gin \
