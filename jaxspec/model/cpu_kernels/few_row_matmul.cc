@@ -41,8 +41,8 @@ namespace {
 
 // The float32 products' vectors: 16 lanes with AVX-512 (built with -mavx512f where the
 // CPU has it: 32 vector registers, so register blocks of more rows), else 8 lanes of
-// AVX2. A row's result depends on the build (the
-// lanes of its sum), never on the rows beside it.
+// AVX2. A row's result depends on the build (the lanes of its sum), never on the rows
+// beside it.
 #if defined(__AVX512F__)
 using Vec = __m512;
 constexpr int64_t kVecLanes = 16;
@@ -154,18 +154,13 @@ int64_t OutputBlocks(const float* x, const float* w, float* y, int64_t rows, int
 // with AVX2 (16 vector registers) 4 x 1, 4 x 2 and 3 x 4 for 1, 2 and 3..32 rows; with
 // AVX-512 (32) 4 x 1, 4 x 2 and 4 x 5 (a 9-position verify step in two passes: 3 x 9
 // in one pass, 3 x 8, 4 x 4, 4 x 6, 5 x 5 and 6 x 4 were all slower).
-#ifndef JAXSPEC_MANY_ROWS_R
 #if defined(__AVX512F__)
-#define JAXSPEC_MANY_ROWS_R 4
-#define JAXSPEC_MANY_ROWS_C 5
+constexpr int kManyRowsR = 4, kManyRowsC = 5;
 #else
-#define JAXSPEC_MANY_ROWS_R 3
-#define JAXSPEC_MANY_ROWS_C 4
-#endif
+constexpr int kManyRowsR = 3, kManyRowsC = 4;
 #endif
 void Outputs(const float* x, const float* w, float* y, int64_t rows, int64_t in,
              int64_t out, int64_t begin, int64_t end) {
-  constexpr int kR = JAXSPEC_MANY_ROWS_R, kC = JAXSPEC_MANY_ROWS_C;
   int64_t o = begin;
   if (rows == 1) {
     o = OutputBlocks<4, 1>(x, w, y, rows, in, out, o, end);
@@ -174,8 +169,8 @@ void Outputs(const float* x, const float* w, float* y, int64_t rows, int64_t in,
     o = OutputBlocks<4, 2>(x, w, y, rows, in, out, o, end);
     OutputBlocks<1, 2>(x, w, y, rows, in, out, o, end);
   } else {
-    o = OutputBlocks<kR, kC>(x, w, y, rows, in, out, o, end);
-    OutputBlocks<1, kC>(x, w, y, rows, in, out, o, end);
+    o = OutputBlocks<kManyRowsR, kManyRowsC>(x, w, y, rows, in, out, o, end);
+    OutputBlocks<1, kManyRowsC>(x, w, y, rows, in, out, o, end);
   }
 }
 
@@ -352,7 +347,7 @@ ffi::Error RowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
   if (x_dims.size() < 1 || x_dims.back() != in)
     return ffi::Error::InvalidArgument("x [..., in] does not match w [out, in]");
   *rows = in == 0 ? 0 : x_count / in;
-  if (*rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than kMaxRows rows");
+  if (*rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than 32 rows (kMaxRows)");
   return ffi::Error::Success();
 }
 
