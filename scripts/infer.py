@@ -257,11 +257,11 @@ def _run_decoders(decode_fns, batches, examples, vocab, writers, fingerprint, in
     if pending[name]:
       _compile_shapes(decode_fns[name], pending[name], input_shape)
   if interleave:
-    todo = {name: {b[0] for b in pending[name]} for name in names}
-    union = [b for b in batches if any(b[0] in todo[name] for name in names)]
+    starts = {name: {b[0] for b in pending[name]} for name in names}  # batches to decode
+    union = [b for b in batches if any(b[0] in starts[name] for name in names)]
     for indices in tqdm.tqdm(union, desc=' + '.join(names), unit='batch', file=sys.stderr):
       for name in names:
-        if indices[0] in todo[name]:
+        if indices[0] in starts[name]:
           _decode_batch(name, decode_fns[name], indices, examples, vocab, writers[name],
                         fingerprint)
     return

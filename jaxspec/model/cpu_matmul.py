@@ -5,8 +5,9 @@ row at memory speed but 2..9 rows through a matrix-matrix path that costs about 
 as much, so a verify step costs ~2x a one-position step (docs/design.md, "Kernel layout
 and the cost of a verify step"). `cpu_kernels/few_row_matmul.cc` is an XLA FFI handler
 that reads each weight once and keeps every row in registers (AVX2 + FMA, or AVX-512
-where the CPU has it: `kernel_isa`; the outputs split across the kernel's helper threads): k rows cost little more than one, and the
-one-row product is faster than XLA's.
+where the CPU has it: `kernel_isa`; the outputs split across the kernel's helper
+threads): k rows cost little more than one, and the one-row product is faster than
+XLA's.
 
   few_row_matmul(x, w_t)             x [..., in] @ w_t [out, in]^T through the kernel
   matmul_transposed(x, w_t, kernel)  the kernel where it applies, else XLA's einsum

@@ -449,16 +449,18 @@ inline int32_t HorizontalSumInt(__m256i v) {
   return _mm_cvtsi128_si32(q);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// AVX-512 VNNI: 64 products per dpbusd, which multiplies unsigned by signed bytes: the
-// weights are offset to unsigned (w + 128, an exclusive or of the sign bit) and each
-// row's sum corrected by 128 times the sum of its values, exact in int32 as the AVX2
-// path's sums are, so both builds give every int8 product bit for bit alike.
+// Whole output blocks at least kInt8PrefetchBytes ahead: one block of int8 rows is a
+// quarter of the float32 bytes, too few in flight to hide memory latency.
 inline int64_t Int8AheadBytes(int R, int64_t in) {
   const int64_t blocks_ahead = (kInt8PrefetchBytes + R * in - 1) / (R * in);
   return blocks_ahead * R * in;
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// AVX-512 VNNI: 64 products per dpbusd, which multiplies unsigned by signed bytes: the
+// weights are offset to unsigned (w + 128, an exclusive or of the sign bit) and each
+// row's sum corrected by 128 times the sum of its values, exact in int32 as the AVX2
+// path's sums are, so both builds give every int8 product bit for bit alike.
 template <int R, int C, bool kPrefetch>
 inline void Int8Block(const QuantizedRows& xq, const int8_t* w, int32_t* sums, int64_t in,
                       int64_t o, int64_t n) {
@@ -503,10 +505,7 @@ inline void Int8Block(const QuantizedRows& xq, const int8_t* w, int32_t* sums, i
   for (int r = 0; r < R; ++r) wr[r] = w + (o + r) * in;
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_si256();
-  // Whole output blocks at least kInt8PrefetchBytes ahead: one block of int8 rows is a
-  // quarter of the float32 bytes, too few in flight to hide memory latency.
-  const int64_t blocks_ahead = (kInt8PrefetchBytes + R * in - 1) / (R * in);
-  const int64_t ahead = blocks_ahead * R * in;
+  const int64_t ahead = Int8AheadBytes(R, in);
   for (int64_t i = 0; i < in32; i += kInt8Lanes) {
     if (kPrefetch && i % kLineBytes == 0) {
       for (int r = 0; r < R; ++r)
