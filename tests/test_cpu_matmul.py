@@ -170,6 +170,19 @@ for k in range(2, 17):
 scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
 assert np.all(np.abs(singles - x.astype(np.float64) @ w.astype(np.float64).T)
               <= 1e-6 * scale + 1e-6)
+# The attention kernel keeps its exactness property in this build too.
+from jaxspec.model import cpu_attention
+q = jnp.asarray(rng.standard_normal((1, 9, 4, 20)).astype(np.float32))
+k, v = (jnp.asarray(rng.standard_normal((1, 4, 20, 40)).astype(np.float32)) for _ in 'kv')
+seen = np.arange(40)[None, :] <= 11 + np.arange(9)[:, None]
+b = jnp.asarray(np.where(seen, 0.0, -1e10).astype(np.float32))[None, None]
+attend = jax.jit(cpu_attention.kernel_attention)
+step = np.asarray(attend(q, k, v, b, jnp.asarray([20], jnp.int32)))
+for i in range(9):
+  np.testing.assert_array_equal(np.asarray(attend(
+      q[:, i:i + 1], k, v, b[:, :, i:i + 1], jnp.asarray([12 + i], jnp.int32)))[:, 0], step[:, i])
+np.testing.assert_allclose(step, np.asarray(cpu_attention.xla_cached_attention(q, k, v, b)),
+                           rtol=2e-5, atol=2e-5)
 # Int8 products are exact integer sums: the parent compares them with its own build's.
 from jaxspec.model.quantization import quantize_rows
 w_q, w_scale = quantize_rows(w)
@@ -184,8 +197,8 @@ print('avx2 build ok')
                     reason='the AVX2 build is the default where the CPU lacks AVX-512')
 def test_the_avx2_build_on_an_avx512_cpu(tmp_path):
   """The tests above run the AVX-512 build here; the AVX2 build (CPUs without AVX-512)
-  keeps its exactness property too, in a process of its own, and computes the same int8
-  products bit for bit (exact integer sums in both)."""
+  keeps its exactness property too (products and cached attention), in a process of its
+  own, and computes the same int8 products bit for bit (exact integer sums in both)."""
   import os
   import subprocess
   import sys

@@ -54,16 +54,31 @@ def write(buffer, new, write_positions):
   copy every buffer whole at every step (docs/design.md); a window that would run past
   the buffer takes the scatter instead.
   """
-  new = new.astype(buffer.dtype)
-  rows = jnp.arange(buffer.shape[0])[:, None]  # [b, 1]
-  # Indexing rows and positions (separated by the h, d slices) addresses [b, t, h, d].
-  scatter = lambda: buffer.at[rows, :, :, write_positions].set(new, mode='drop')  # noqa: E731
-  if buffer.shape[0] != 1:
+  return write_all((buffer,), (new,), write_positions)[0]
+
+
+def write_all(buffers, news, write_positions):
+  """`write` of news[i] into buffers[i] (one layer's keys and values) at the same
+  write_positions, under one conditional for all of them: a decode step pays one
+  conditional a layer, not one a buffer."""
+  news = tuple(new.astype(buffer.dtype) for buffer, new in zip(buffers, news))
+  rows = jnp.arange(buffers[0].shape[0])[:, None]  # [b, 1]
+
+  def scatter():
+    # Indexing rows and positions (separated by the h, d slices) addresses [b, t, h, d].
+    return tuple(buffer.at[rows, :, :, write_positions].set(new, mode='drop')
+                 for buffer, new in zip(buffers, news))
+
+  if buffers[0].shape[0] != 1:
     return scatter()
   start = write_positions[0, 0]
-  update = lambda: jax.lax.dynamic_update_slice(  # noqa: E731
-      buffer, jnp.transpose(new, (0, 2, 3, 1)), (0, 0, 0, start))  # [1, h, d, t]
-  return jax.lax.cond(start + new.shape[1] <= buffer.shape[3], update, scatter)
+
+  def update():
+    return tuple(jax.lax.dynamic_update_slice(buffer, jnp.transpose(new, (0, 2, 3, 1)),
+                                              (0, 0, 0, start))  # [1, h, d, t]
+                 for buffer, new in zip(buffers, news))
+
+  return jax.lax.cond(start + news[0].shape[1] <= buffers[0].shape[3], update, scatter)
 
 
 def rollback(cache: DecoderCache, end_index: jax.Array) -> DecoderCache:

@@ -26,9 +26,10 @@ so a row of a k-row product is bit-identical to its one-row product; a verify st
 and the baseline's steps compute the same logits bit for bit. Against XLA's einsum
 the results differ by float32 rounding only (tests/test_cpu_matmul.py).
 
-The source is compiled on first use with the C++ compiler found as $CXX, g++ or c++,
+The sources (with the cached-attention kernel of jaxspec.model.cpu_attention: one
+library) are compiled on first use with the C++ compiler found as $CXX, g++ or c++,
 against the FFI headers jaxlib ships, into a cache directory ($JAXSPEC_KERNEL_CACHE,
-default ~/.cache/jaxspec/kernels) under a name keyed by the source, the compiler
+default ~/.cache/jaxspec/kernels) under a name keyed by the sources, the compiler
 flags (the instruction set among them) and the jaxlib version. Without a compiler,
 AVX2 or FMA, or when the build fails, one warning says why and every product runs
 through XLA (same results up to rounding, slower verify steps).
@@ -59,7 +60,12 @@ MAX_ROWS = 32  # The kernel's limit on rows per product (kMaxRows in the source)
 TRANSPOSED_CONTRACTION_ROWS = 16  # XLA's [b, out, t] contraction up to this many positions.
 TARGET_NAME = 'jaxspec_few_row_matmul'
 INT8_TARGET_NAME = 'jaxspec_few_row_matmul_int8'
-SOURCE = pathlib.Path(__file__).parent / 'cpu_kernels' / 'few_row_matmul.cc'
+ATTENTION_TARGET_NAME = 'jaxspec_cached_attention'  # jaxspec.model.cpu_attention
+KERNEL_DIR = pathlib.Path(__file__).parent / 'cpu_kernels'
+# One library holds every CPU kernel: these sources, compiled together, and the header
+# they share (its bytes key the build too).
+SOURCES = (KERNEL_DIR / 'few_row_matmul.cc', KERNEL_DIR / 'cached_attention.cc')
+HEADERS = (KERNEL_DIR / 'float_vectors.h',)
 COMPILE_FLAGS = ('-O3', '-std=c++17', '-shared', '-fPIC', '-pthread', '-w')
 # The instruction sets the kernel is built for: AVX-512 (16-lane float32 vectors, 32
 # registers; int8 products by VNNI) where the CPU has it, else AVX2 + FMA.
@@ -70,7 +76,8 @@ ISA_FLAGS = {'avx2': ('-mavx2', '-mfma'),
              'avx512': ('-mavx2', '-mfma', '-mavx512f', '-mavx512bw', '-mavx512vnni')}
 ISA_CPU_FLAGS = {'avx2': {'avx2', 'fma'},
                  'avx512': {'avx2', 'fma', 'avx512f', 'avx512bw', 'avx512_vnni'}}
-_SYMBOLS = {TARGET_NAME: 'JaxspecFewRowMatmul', INT8_TARGET_NAME: 'JaxspecFewRowMatmulInt8'}
+_SYMBOLS = {TARGET_NAME: 'JaxspecFewRowMatmul', INT8_TARGET_NAME: 'JaxspecFewRowMatmulInt8',
+            ATTENTION_TARGET_NAME: 'JaxspecCachedAttention'}
 
 
 def xla_matmul_transposed(x, w_t):
@@ -132,22 +139,22 @@ def cache_dir() -> pathlib.Path:
 
 
 def library_path(compiler: str, isa: str) -> pathlib.Path:
-  """The built library's path, keyed by source, compiler, flags and jaxlib version."""
+  """The built library's path, keyed by sources, compiler, flags and jaxlib version."""
   key = hashlib.sha256()
-  for part in (SOURCE.read_bytes(), compiler.encode(), ' '.join(compile_flags(isa)).encode(),
-               jaxlib.__version__.encode()):
+  for part in (*(path.read_bytes() for path in SOURCES + HEADERS), compiler.encode(),
+               ' '.join(compile_flags(isa)).encode(), jaxlib.__version__.encode()):
     key.update(part)
     key.update(b'\0')
   return cache_dir() / f'few_row_matmul-{key.hexdigest()[:16]}.so'
 
 
 def build(compiler: str, path: pathlib.Path, isa: str) -> None:
-  """Compiles SOURCE into `path` (atomically: concurrent builders never see half a file)."""
+  """Compiles SOURCES into `path` (atomically: concurrent builders never see half a file)."""
   path.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
     built = pathlib.Path(scratch) / path.name
-    command = [compiler, *compile_flags(isa), f'-I{jax.ffi.include_dir()}', str(SOURCE),
-               '-o', str(built)]
+    command = [compiler, *compile_flags(isa), f'-I{jax.ffi.include_dir()}',
+               *(str(source) for source in SOURCES), '-o', str(built)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
       raise RuntimeError(f'{" ".join(command)} failed:\n{result.stderr[-2000:]}')

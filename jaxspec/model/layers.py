@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import T5Config
-from jaxspec.model import cpu_matmul
+from jaxspec.model import cpu_attention, cpu_matmul
 from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_AXES, TARGET,
                                     constrain)
 
@@ -197,14 +197,6 @@ def dot_product_attention(query, key, value, bias):
   return jnp.einsum('bhts,bshd->bthd', weights, value)
 
 
-def cached_dot_product_attention(query, key, value, bias):
-  """dot_product_attention over keys/values stored [b, h, d, s] (the cache layout)."""
-  logits = jnp.einsum('bthd,bhds->bhts', query, key,
-                      preferred_element_type=jnp.float32)  # [b, h, t, s]
-  weights = jax.nn.softmax(logits + bias, axis=-1).astype(value.dtype)
-  return jnp.einsum('bhts,bhds->bthd', weights, value)
-
-
 def to_cache_layout(x):
   """Keys or values [b, s, h, d] -> [b, h, d, s], the cache layout."""
   return jnp.transpose(x, (0, 2, 3, 1))
@@ -243,9 +235,13 @@ class MultiHeadAttention(nn.Module):
     """x [b, s, e] -> keys, values [b, s, h, d]."""
     return self._split_heads(self.key(x)), self._split_heads(self.value(x))
 
-  def attend_cached(self, query, keys, values, bias):
-    """query [b,t,h,d] against cached keys/values [b,h,d,s] (jaxspec.model.cache) -> [b, t, e]."""
-    out = cached_dot_product_attention(query, keys, values, bias)  # [b, t, h, d]
+  def attend_cached(self, query, keys, values, bias, num_keys=None):
+    """query [b,t,h,d] against cached keys/values [b,h,d,s] (jaxspec.model.cache) -> [b, t, e].
+
+    num_keys [b]: every slot a row's queries see lies among its first num_keys[b] (None:
+    any); on CPU the attention kernel reads only those (jaxspec.model.cpu_attention)."""
+    out = cpu_attention.cached_attention(query, keys, values, bias, num_keys,
+                                         self.config.cpu_matmul)  # [b, t, h, d]
     out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
     return constrain(self.out(out), EMBED_AXES, self.role)
 

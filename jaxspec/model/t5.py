@@ -118,12 +118,14 @@ class DecoderLayer(nn.Module):
     """x [b, t, e]; write_positions [b, t]; biases [b, h|1, t, L] and [b, 1, t, s]."""
     y = self.pre_self_attention_layer_norm(x)
     new_keys, new_values = self.self_attention.project_key_value(y)  # [b, t, h, d]
-    keys = constrain(cache_lib.write(layer_cache.self_keys, new_keys, write_positions),
-                     CACHE_AXES, self.role)
-    values = constrain(cache_lib.write(layer_cache.self_values, new_values, write_positions),
-                       CACHE_AXES, self.role)
+    keys, values = cache_lib.write_all((layer_cache.self_keys, layer_cache.self_values),
+                                       (new_keys, new_values), write_positions)
+    keys, values = (constrain(keys, CACHE_AXES, self.role),
+                    constrain(values, CACHE_AXES, self.role))
+    # A step's queries see slots up to the last one it writes, never past it.
     x = x + self.self_attention.attend_cached(
-        self.self_attention.project_query(y), keys, values, self_bias)
+        self.self_attention.project_query(y), keys, values, self_bias,
+        num_keys=write_positions[:, -1] + 1)
     y = self.pre_cross_attention_layer_norm(x)
     x = x + self.encoder_decoder_attention.attend_cached(
         self.encoder_decoder_attention.project_query(y), layer_cache.cross_keys,

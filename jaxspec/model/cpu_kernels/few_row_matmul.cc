@@ -33,41 +33,22 @@
 #include <thread>
 #include <vector>
 
+#include "float_vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// The float32 products' vectors: 16 lanes with AVX-512 (built with -mavx512f where the
-// CPU has it: 32 vector registers, so register blocks of more rows), else 8 lanes of
-// AVX2. A row's result depends on the build (the lanes of its sum), never on the rows
-// beside it.
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int64_t kVecLanes = 16;
-inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec Zero() { return _mm512_setzero_ps(); }
-inline __m256 Halves(Vec v) {
-  return _mm256_add_ps(_mm512_castps512_ps256(v),
-                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-#else
-using Vec = __m256;
-constexpr int64_t kVecLanes = 8;
-inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec Zero() { return _mm256_setzero_ps(); }
-inline __m256 Halves(Vec v) { return v; }
-#endif
-inline float HorizontalSum(Vec vector) {
-  const __m256 v = Halves(vector);
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
+// The float32 products' vectors (float_vectors.h): 16 lanes where built for AVX-512
+// (32 vector registers, so register blocks of more rows), else 8 lanes of AVX2.
+using jaxspec_kernels::Fma;
+using jaxspec_kernels::HorizontalSum;
+using jaxspec_kernels::kVecLanes;
+using jaxspec_kernels::Load;
+using jaxspec_kernels::Vec;
+using jaxspec_kernels::Zero;
+
 constexpr int64_t kLanes = 8;  // AVX2 lanes of the int8 path's activation quantization
 constexpr int64_t kMaxRows = 32;  // jaxspec.model.cpu_matmul.MAX_ROWS
 constexpr int64_t kOutputsPerTask = 64;  // outputs per thread at least (fewer: fewer threads)

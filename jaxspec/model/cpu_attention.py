@@ -1,0 +1,91 @@
+"""jaxspec's CPU kernel for a decode step's attention over the cache.
+
+A decode step attends over the whole cache buffer (max_decode_length + gamma slots) with
+one dot, a softmax and a second dot per attention; on the 2-core CPU each costs 10-30 us,
+mostly on slots past the decoded prefix and on per-operation overhead, as much as one of
+the draft's int8 weight products. `cpu_kernels/cached_attention.cc` (built into the
+library of jaxspec.model.cpu_matmul) computes an attention in one call over the first
+`num_keys[b]` slots of each row only.
+
+  cached_attention(query, keys, values, bias, num_keys, cpu_matmul)
+      query [b, t, h, d] against keys/values [b, h, d, L] (the cache layout) with the
+      additive bias [b, h|1, t, L] -> [b, t, h, d]: the kernel where it applies, else
+      XLA (jaxspec.model.layers.cached_dot_product_attention's formulation)
+
+Where it applies: float32 operands, at most MAX_QUERIES queries, the CPU backend with
+the kernel built, and `T5Config.cpu_matmul == 'kernel'` (the setting that routes a
+decode step's products through the few-row kernel routes its attention here too).
+
+Exactness: a query's output depends on its own logits only, summed lane by lane in a
+fixed order, and slots its bias masks weigh exactly 0; so a query of a k-query verify
+step equals the same query in a one-query step bit for bit, for any num_keys that
+covers the slots it sees. Against XLA's softmax the results differ by float32 rounding
+(its exponential is a polynomial accurate to ~2e-7; tests/test_cpu_attention.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.model import cpu_matmul
+
+MAX_QUERIES = cpu_matmul.MAX_ROWS  # Queries per step routed to the kernel (decode steps).
+
+
+def xla_cached_attention(query, keys, values, bias):
+  """query [b,t,h,d] against keys/values [b,h,d,s] with bias [b,h|1,t,s] -> [b,t,h,d].
+
+  No 1/sqrt(d) scaling: T5 folds it into the query initializer.
+  """
+  logits = jnp.einsum('bthd,bhds->bhts', query, keys,
+                      preferred_element_type=jnp.float32)  # [b, h, t, s]
+  weights = jax.nn.softmax(logits + bias, axis=-1).astype(values.dtype)
+  return jnp.einsum('bhts,bhds->bthd', weights, values)
+
+
+def applies(query, keys, values, bias) -> bool:
+  """Whether the kernel can compute this attention (shapes and dtypes)."""
+  if query.ndim != 4 or keys.ndim != 4 or bias.ndim != 4:
+    return False
+  batch, queries, heads, head_dim = query.shape
+  slots = keys.shape[3]
+  return (all(x.dtype == jnp.float32 for x in (query, keys, values, bias))
+          and 1 <= queries <= MAX_QUERIES
+          and keys.shape == (batch, heads, head_dim, slots) and values.shape == keys.shape
+          and bias.shape in ((batch, heads, queries, slots), (batch, 1, queries, slots)))
+
+
+def _ffi_attention(query, keys, values, bias, num_keys):
+  return jax.ffi.ffi_call(cpu_matmul.ATTENTION_TARGET_NAME,
+                          jax.ShapeDtypeStruct(query.shape, jnp.float32),
+                          vmap_method='sequential')(query, keys, values, bias, num_keys)
+
+
+@jax.custom_jvp
+def kernel_attention(query, keys, values, bias, num_keys):
+  """The attention through the kernel (applies(...)); num_keys [b] int32 slots per row."""
+  return _ffi_attention(query, keys, values, bias, num_keys)
+
+
+@kernel_attention.defjvp
+def _kernel_attention_jvp(primals, tangents):
+  query, keys, values, bias, num_keys = primals
+  _, tangent_out = jax.jvp(xla_cached_attention, (query, keys, values, bias), tangents[:4])
+  return kernel_attention(query, keys, values, bias, num_keys), tangent_out
+
+
+def cached_attention(query, keys, values, bias, num_keys=None,
+                     cpu_matmul_setting: str = cpu_matmul.KERNEL):
+  """query [b,t,h,d] against keys/values [b,h,d,s] with bias [b,h|1,t,s] -> [b,t,h,d].
+
+  num_keys [b] int32: the slots each row's queries may see are among its first
+  num_keys[b] (None: all s); every slot past them must be masked in `bias` for each
+  query. The kernel reads only those slots; XLA reads all of them (same result up to
+  float32 rounding).
+  """
+  if applies(query, keys, values, bias) and cpu_matmul.use_kernel(cpu_matmul_setting):
+    if num_keys is None:
+      num_keys = jnp.full((query.shape[0],), keys.shape[3], jnp.int32)
+    return kernel_attention(query, keys, values, bias, jnp.asarray(num_keys, jnp.int32))
+  return xla_cached_attention(query, keys, values, bias)

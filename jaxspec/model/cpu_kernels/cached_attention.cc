@@ -1,0 +1,213 @@
+// jaxspec's CPU kernel for a decode step's attention over the cache, as an XLA FFI
+// handler (JaxspecCachedAttention): for each batch row b, head h and query i,
+//   out[b, i, h] = sum_s softmax_s(q[b, i, h] . k[b, h, :, s] + bias[b, h|0, i, s]) v[b, h, :, s]
+// over the first num_keys[b] key slots only, with keys and values in the cache layout
+// [b, h, d, L] (jaxspec.model.cache) and T5's additive mask in `bias` (no 1/sqrt(d)).
+//
+// A decode step attends over a cache buffer of max_decode_length + gamma slots, most of
+// them past the decoded prefix; XLA computes all of them, with one dot, softmax and dot
+// per attention (10-30 us each on the 2-core CPU, as much as a weight product of the
+// draft's step). This kernel reads only the prefix (jaxspec.model.cpu_attention).
+//
+// Exactness: each query's logits, maximum, weights and weighted sums are computed lane
+// by lane (slot s in lane s % kVecLanes), over slot blocks in increasing order, then
+// summed across lanes in a fixed order; a query never reads another query's values.
+// Slots that a query's bias masks (<= kExpFloor after the shift) weigh exactly 0, so
+// reading more slots than a query sees adds exact zeros: a query's output is bit-identical
+// whatever the other queries of the step and whatever num_keys, as long as num_keys
+// covers every slot it sees. A verify step's rows thus equal the baseline's one-row steps.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "float_vectors.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using jaxspec_kernels::Add;
+using jaxspec_kernels::Broadcast;
+using jaxspec_kernels::Div;
+using jaxspec_kernels::ExpNonPositive;
+using jaxspec_kernels::Fma;
+using jaxspec_kernels::HorizontalMax;
+using jaxspec_kernels::HorizontalSum;
+using jaxspec_kernels::KeepFirst;
+using jaxspec_kernels::kVecLanes;
+using jaxspec_kernels::Load;
+using jaxspec_kernels::LoadFirst;
+using jaxspec_kernels::Max;
+using jaxspec_kernels::Store;
+using jaxspec_kernels::SumEachVector;
+using jaxspec_kernels::Sub;
+using jaxspec_kernels::Vec;
+using jaxspec_kernels::Zero;
+
+constexpr int kBlocksAtOnce = 4;  // Slot blocks whose logits accumulate together ...
+constexpr int kPartials = 4;  // ... each over head dims d % kPartials apart, then added.
+constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
+
+struct Shapes {
+  int64_t batch, queries, heads, head_dim, slots, bias_heads;
+};
+
+// Biased logits of the kCount slot blocks from `first` (lanes past n: -inf) into
+// weights; returns their lane-wise maximum. kCount is a template argument so that the
+// kCount x kPartials accumulators stay in registers.
+template <int kCount>
+Vec Logits(const float* q, const float* keys, const float* bias, int64_t head_dim,
+           int64_t slots, int64_t n, int64_t first, float* weights) {
+  Vec partial[kCount][kPartials];
+  for (int c = 0; c < kCount; ++c)
+    for (int k = 0; k < kPartials; ++k) partial[c][k] = Zero();
+  int64_t d = 0;
+  for (; d + kPartials <= head_dim; d += kPartials) {
+    for (int k = 0; k < kPartials; ++k) {
+      const Vec qd = Broadcast(q[d + k]);
+      const float* row = keys + (d + k) * slots;
+      for (int c = 0; c < kCount; ++c) {
+        const int64_t slot = (first + c) * kVecLanes;
+        partial[c][k] = Fma(qd, LoadFirst(row + slot, n - slot), partial[c][k]);
+      }
+    }
+  }
+  for (; d < head_dim; ++d) {  // A head_dim that is not a multiple of kPartials.
+    const Vec qd = Broadcast(q[d]);
+    for (int c = 0; c < kCount; ++c) {
+      const int64_t slot = (first + c) * kVecLanes;
+      partial[c][0] = Fma(qd, LoadFirst(keys + d * slots + slot, n - slot), partial[c][0]);
+    }
+  }
+  Vec peak = Broadcast(kMinusInfinity);
+  for (int c = 0; c < kCount; ++c) {
+    const int64_t slot = (first + c) * kVecLanes;
+    const Vec logits = Add(Add(partial[c][0], partial[c][1]), Add(partial[c][2], partial[c][3]));
+    const Vec biased = KeepFirst(Add(logits, LoadFirst(bias + slot, n - slot)), n - slot,
+                                 kMinusInfinity);
+    Store(weights + slot, biased);
+    peak = Max(peak, biased);
+  }
+  return peak;
+}
+
+// out[d] = sum_s weights[s] values[d, s] / total for d in [0, head_dim): kVecLanes dims
+// at a time, their lane sums reduced together (SumEachVector); the rest one by one.
+void WeightedValues(const float* weights, const float* values, int64_t head_dim,
+                    int64_t slots, int64_t n, float total, float* out) {
+  const int64_t blocks = (n + kVecLanes - 1) / kVecLanes;
+  int64_t d0 = 0;
+  for (; d0 + kVecLanes <= head_dim; d0 += kVecLanes) {
+    Vec sums[kVecLanes];
+    for (int64_t c = 0; c < kVecLanes; ++c) sums[c] = Zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t slot = b * kVecLanes;
+      const Vec weight = Load(weights + slot);
+      for (int64_t c = 0; c < kVecLanes; ++c)
+        sums[c] = Fma(weight, LoadFirst(values + (d0 + c) * slots + slot, n - slot), sums[c]);
+    }
+    Store(out + d0, Div(SumEachVector(sums), Broadcast(total)));
+  }
+  for (; d0 < head_dim; ++d0) {
+    Vec sum = Zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t slot = b * kVecLanes;
+      sum = Fma(Load(weights + slot), LoadFirst(values + d0 * slots + slot, n - slot), sum);
+    }
+    out[d0] = HorizontalSum(sum) / total;
+  }
+}
+
+// One query of one head over slots [0, n): q [d], keys/values [d, L] (row stride L),
+// bias [L] -> out [d]. weights: scratch of at least ceil(n / kVecLanes) vectors.
+void AttendOne(const float* q, const float* keys, const float* values, const float* bias,
+               int64_t head_dim, int64_t slots, int64_t n, float* weights, float* out) {
+  const int64_t blocks = (n + kVecLanes - 1) / kVecLanes;
+  Vec peak = Broadcast(kMinusInfinity);
+  int64_t first = 0;
+  for (; first + kBlocksAtOnce <= blocks; first += kBlocksAtOnce)
+    peak = Max(peak, Logits<kBlocksAtOnce>(q, keys, bias, head_dim, slots, n, first, weights));
+  switch (blocks - first) {  // The last 1-3 blocks.
+    case 3: peak = Max(peak, Logits<3>(q, keys, bias, head_dim, slots, n, first, weights)); break;
+    case 2: peak = Max(peak, Logits<2>(q, keys, bias, head_dim, slots, n, first, weights)); break;
+    case 1: peak = Max(peak, Logits<1>(q, keys, bias, head_dim, slots, n, first, weights)); break;
+    default: break;
+  }
+  const Vec shift = Broadcast(HorizontalMax(peak));
+  Vec total = Zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Vec weight = ExpNonPositive(Sub(Load(weights + b * kVecLanes), shift));
+    Store(weights + b * kVecLanes, weight);
+    total = Add(total, weight);
+  }
+  WeightedValues(weights, values, head_dim, slots, n, HorizontalSum(total), out);
+}
+
+ffi::Error CheckShapes(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k,
+                       ffi::Span<const int64_t> v, ffi::Span<const int64_t> bias,
+                       int64_t num_keys_count, Shapes* shapes) {
+  if (q.size() != 4 || k.size() != 4 || v.size() != 4 || bias.size() != 4)
+    return ffi::Error::InvalidArgument(
+        "query [b, t, h, d], keys/values [b, h, d, L] and bias [b, h|1, t, L] are 4-D");
+  *shapes = {q[0], q[1], q[2], q[3], k[3], bias[1]};
+  if (k[0] != q[0] || k[1] != q[2] || k[2] != q[3])
+    return ffi::Error::InvalidArgument("keys [b, h, d, L] do not match query [b, t, h, d]");
+  for (int i = 0; i < 4; ++i)
+    if (v[i] != k[i]) return ffi::Error::InvalidArgument("values differ in shape from keys");
+  if (bias[0] != q[0] || (bias[1] != 1 && bias[1] != q[2]) || bias[2] != q[1] ||
+      bias[3] != k[3])
+    return ffi::Error::InvalidArgument("bias must be [b, h|1, t, L]");
+  if (num_keys_count != q[0]) return ffi::Error::InvalidArgument("num_keys must be [b]");
+  return ffi::Error::Success();
+}
+
+ffi::Error CachedAttention(ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> keys,
+                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> bias,
+                           ffi::Buffer<ffi::S32> num_keys, ffi::ResultBuffer<ffi::F32> out) {
+  Shapes s;
+  if (ffi::Error error = CheckShapes(query.dimensions(), keys.dimensions(), values.dimensions(),
+                                     bias.dimensions(), num_keys.element_count(), &s);
+      error.failure())
+    return error;
+  thread_local std::vector<float> weights;
+  weights.resize(((s.slots + kVecLanes - 1) / kVecLanes) * kVecLanes);
+  const float* qp = query.typed_data();
+  const float* kp = keys.typed_data();
+  const float* vp = values.typed_data();
+  const float* bp = bias.typed_data();
+  const int32_t* np = num_keys.typed_data();
+  float* op = out->typed_data();
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t n = std::clamp<int64_t>(np[b], 0, s.slots);
+    for (int64_t h = 0; h < s.heads; ++h) {
+      const float* head_keys = kp + (b * s.heads + h) * s.head_dim * s.slots;
+      const float* head_values = vp + (b * s.heads + h) * s.head_dim * s.slots;
+      const int64_t bias_head = s.bias_heads == 1 ? 0 : h;
+      for (int64_t i = 0; i < s.queries; ++i) {
+        const int64_t row = (b * s.queries + i) * s.heads + h;
+        float* result = op + row * s.head_dim;
+        if (n == 0) {
+          std::fill(result, result + s.head_dim, 0.0f);
+          continue;
+        }
+        AttendOne(qp + row * s.head_dim, head_keys, head_values,
+                  bp + ((b * s.bias_heads + bias_head) * s.queries + i) * s.slots,
+                  s.head_dim, s.slots, n, weights.data(), result);
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecCachedAttention, CachedAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

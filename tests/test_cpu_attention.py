@@ -1,0 +1,141 @@
+"""jaxspec.model.cpu_attention: the cached-attention CPU kernel against float64 and XLA.
+
+The decoders' exactness suites run through it too (decode steps on the CPU backend use
+it by default); here: its arithmetic, the property that keeps a verify step exact (a
+query's output depends neither on the other queries of the step nor on how many slots
+past the ones it sees are read), and where it applies.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.config import get_config
+from jaxspec.model import T5, cpu_attention, cpu_matmul, init_params, kernel_layout
+from jaxspec.model.layers import NEG_INF
+
+needs_kernel = pytest.mark.skipif(not cpu_matmul.kernel_available(),
+                                reason='the kernel needs x86-64 with AVX2 + FMA and a C++ compiler')
+
+_kernel = jax.jit(cpu_attention.kernel_attention)
+
+
+def _operands(batch, queries, heads, head_dim, slots, ends, bias_heads=None, seed=0):
+  """Causal decode-step operands: row b's queries sit at positions ends[b] + 0..t-1 and
+  see slots up to their own position; a relative-position-like bias on top."""
+  rng = np.random.default_rng(seed)
+  query = rng.standard_normal((batch, queries, heads, head_dim)).astype(np.float32) * 0.3
+  keys = rng.standard_normal((batch, heads, head_dim, slots)).astype(np.float32)
+  values = rng.standard_normal((batch, heads, head_dim, slots)).astype(np.float32)
+  positions = np.asarray(ends)[:, None] + np.arange(queries)[None, :]  # [b, t]
+  visible = np.arange(slots)[None, None, :] <= positions[:, :, None]  # [b, t, L]
+  bias_heads = heads if bias_heads is None else bias_heads
+  bias = rng.standard_normal((batch, bias_heads, queries, slots)).astype(np.float32)
+  bias = bias + np.where(visible, 0.0, NEG_INF).astype(np.float32)[:, None]
+  return query, keys, values, bias
+
+
+def _float64_reference(query, keys, values, bias):
+  logits = np.einsum('bthd,bhds->bhts', query.astype(np.float64), keys.astype(np.float64))
+  logits = logits + bias.astype(np.float64)
+  weights = np.exp(logits - logits.max(-1, keepdims=True))
+  weights = weights / weights.sum(-1, keepdims=True)
+  return np.einsum('bhts,bhds->bthd', weights, values.astype(np.float64))
+
+
+@needs_kernel
+@pytest.mark.parametrize('batch,queries,heads,head_dim,slots,bias_heads', [
+    (1, 1, 8, 64, 72, None),  # a draft step: one query, most slots past the prefix
+    (2, 9, 8, 64, 72, None),  # a verify step, two rows at different positions
+    (1, 3, 2, 20, 7, 1),  # head_dim past the last 16 dims; fewer slots than a vector
+    (1, 32, 3, 6, 40, 1),  # the most queries; head_dim below a vector; one bias head
+])
+def test_kernel_matches_float64_attention(batch, queries, heads, head_dim, slots, bias_heads):
+  ends = [min(slots - queries, 5 + 11 * b) for b in range(batch)]
+  operands = _operands(batch, queries, heads, head_dim, slots, ends, bias_heads)
+  num_keys = jnp.asarray(np.asarray(ends) + queries, jnp.int32)
+  got = np.asarray(_kernel(*map(jnp.asarray, operands), num_keys))
+  expected = _float64_reference(*operands)
+  assert got.shape == (batch, queries, heads, head_dim)
+  np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+  xla = np.asarray(cpu_attention.xla_cached_attention(*map(jnp.asarray, operands)))
+  np.testing.assert_allclose(got, xla, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_a_query_is_bit_identical_whatever_shares_the_step_and_however_many_slots_are_read():
+  """What keeps a verify step's attention equal to the one-position steps' attention."""
+  batch, queries, slots = 2, 9, 72
+  ends = np.asarray([12, 50])
+  query, keys, values, bias = map(jnp.asarray, _operands(batch, queries, 8, 64, slots, ends))
+  step = np.asarray(_kernel(query, keys, values, bias, jnp.asarray(ends + queries, jnp.int32)))
+  for i in range(queries):
+    # The query alone, as a one-position step at its position would compute it.
+    alone = _kernel(query[:, i:i + 1], keys, values, bias[:, :, i:i + 1],
+                    jnp.asarray(ends + i + 1, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(alone)[:, 0], step[:, i])
+  for num_keys in (ends + queries + 1, ends + queries + 17, np.full(batch, slots)):
+    np.testing.assert_array_equal(
+        np.asarray(_kernel(query, keys, values, bias, jnp.asarray(num_keys, jnp.int32))), step)
+
+
+@needs_kernel
+def test_where_the_kernel_applies():
+  query, keys, values, bias = map(jnp.asarray, _operands(1, 2, 4, 8, 16, [3]))
+  assert cpu_attention.applies(query, keys, values, bias)
+  assert cpu_attention.applies(query, keys, values, bias[:, :1])  # one bias head for all
+  assert not cpu_attention.applies(query.astype(jnp.bfloat16), keys, values, bias)
+  assert not cpu_attention.applies(query, keys[..., :8], values, bias)  # slots differ
+  many = jnp.zeros((1, cpu_attention.MAX_QUERIES + 1, 4, 8), jnp.float32)
+  assert not cpu_attention.applies(many, keys, values,
+                                   jnp.zeros((1, 4, cpu_attention.MAX_QUERIES + 1, 16)))
+
+  def traced(setting, q=query):
+    return str(jax.make_jaxpr(lambda: cpu_attention.cached_attention(
+        q, keys, values, bias, None, setting))())
+
+  assert cpu_matmul.ATTENTION_TARGET_NAME in traced(cpu_matmul.KERNEL)
+  assert cpu_matmul.ATTENTION_TARGET_NAME not in traced(cpu_matmul.XLA)
+  assert cpu_matmul.ATTENTION_TARGET_NAME not in traced(cpu_matmul.KERNEL,
+                                                        query.astype(jnp.bfloat16))
+  # No num_keys: every slot is read.
+  np.testing.assert_array_equal(
+      np.asarray(cpu_attention.cached_attention(query, keys, values, bias)),
+      np.asarray(_kernel(query, keys, values, bias, jnp.asarray([16], jnp.int32))))
+
+
+@needs_kernel
+def test_no_slots_gives_zeros_and_gradients_match_xla():
+  query, keys, values, bias = map(jnp.asarray, _operands(1, 2, 4, 8, 16, [3]))
+  np.testing.assert_array_equal(
+      np.asarray(_kernel(query, keys, values, bias, jnp.asarray([0], jnp.int32))), 0.0)
+
+  def loss(attention):
+    return lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v)))
+
+  kernel_grads = jax.grad(loss(lambda q, k, v: cpu_attention.cached_attention(
+      q, k, v, bias, jnp.asarray([5], jnp.int32))), argnums=(0, 1, 2))(query, keys, values)
+  xla_grads = jax.grad(loss(lambda q, k, v: cpu_attention.xla_cached_attention(
+      q, k, v, bias)), argnums=(0, 1, 2))(query, keys, values)
+  for got, expected in zip(kernel_grads, xla_grads):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_decode_step_uses_the_kernel_and_agrees_with_xla():
+  config = get_config('test_tiny_1_1')
+  params = kernel_layout.transposed_kernels(
+      {'params': init_params(config, jax.random.PRNGKey(0))['params']})
+  encoder_tokens = jnp.asarray([[5, 6, 7, 8, 1]], jnp.int32)
+  tokens = jnp.asarray([[0, 9, 10]], jnp.int32)
+
+  def decode(setting):
+    model = T5(config.replace(cpu_matmul=setting))
+    encoded = model.apply(params, encoder_tokens, method=T5.encode)
+    cache = model.apply(params, encoded, encoder_tokens, 8, method=T5.init_cache)
+    return lambda: model.apply(params, tokens, cache, method=T5.decode)[0]
+
+  assert cpu_matmul.ATTENTION_TARGET_NAME in str(jax.make_jaxpr(decode(cpu_matmul.KERNEL))())
+  np.testing.assert_allclose(np.asarray(decode(cpu_matmul.KERNEL)()),
+                             np.asarray(decode(cpu_matmul.XLA)()), rtol=1e-5, atol=1e-5)
