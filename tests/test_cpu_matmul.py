@@ -305,3 +305,85 @@ def test_concurrent_callers_and_either_thread_setting_give_the_same_products(
 
   with concurrent.futures.ThreadPoolExecutor(3) as pool:
     list(pool.map(call, range(3)))
+
+
+# Several matrices against the same rows in one call (a layer's q/k/v, the MLP's
+# wi_0/wi_1): each result must equal its own call's bit for bit.
+
+@needs_kernel
+@pytest.mark.parametrize('rows,outs', [(1, (512, 512, 512)), (9, (40, 515)), (32, (8, 300, 77))])
+def test_several_matrices_in_one_call_equal_separate_calls(rows, outs):
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.standard_normal((rows, 130)).astype(np.float32))
+  w_ts = [jnp.asarray(rng.standard_normal((out, 130)).astype(np.float32)) for out in outs]
+  together = jax.jit(cpu_matmul.few_row_matmuls)(x, tuple(w_ts))
+  for got, w_t in zip(together, w_ts):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_kernel(x, w_t)))
+  from jaxspec.model.quantization import quantize_rows
+  pairs = tuple(tuple(map(jnp.asarray, quantize_rows(np.asarray(w_t)))) for w_t in w_ts)
+  together = jax.jit(cpu_matmul.few_row_matmuls_int8)(x, pairs)
+  for got, (w_q, scale) in zip(together, pairs):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_int8_kernel(x, w_q, scale)))
+
+
+@needs_kernel
+def test_several_matrices_fall_back_where_the_kernel_cannot_and_differentiate_like_xla():
+  x, w_t = (jnp.asarray(a) for a in _operands(4, 48, 300, seed=2))
+  w_ts = (w_t, w_t[:100] * 2.0)
+
+  def names(x, setting, w_ts=w_ts):
+    return str(jax.make_jaxpr(lambda x: cpu_matmul.matmuls_transposed(x, w_ts, setting))(x))
+
+  assert cpu_matmul.MANY_TARGET_NAMES[2] in names(x, cpu_matmul.KERNEL)
+  assert cpu_matmul.MANY_TARGET_NAMES[2] not in names(x, cpu_matmul.XLA)
+  assert cpu_matmul.MANY_TARGET_NAMES[2] not in names(jnp.ones((33, 48), jnp.float32),
+                                                     cpu_matmul.KERNEL)  # 33 rows
+  # One matrix, or four: one product each.
+  assert cpu_matmul.TARGET_NAME in names(x, cpu_matmul.KERNEL, w_ts[:1])
+  assert cpu_matmul.MANY_TARGET_NAMES[2] not in names(x, cpu_matmul.KERNEL, w_ts * 2)
+  assert len(cpu_matmul.matmuls_transposed(x, w_ts * 2)) == 4
+
+  def loss(matmuls):
+    return lambda x, w_ts: sum(jnp.sum(jnp.sin(y)) for y in matmuls(x, w_ts))
+
+  ours = jax.grad(loss(cpu_matmul.few_row_matmuls), argnums=(0, 1))(x, w_ts)
+  xla = jax.grad(loss(lambda x, w_ts: tuple(cpu_matmul.xla_matmul_transposed(x, w)
+                                            for w in w_ts)), argnums=(0, 1))(x, w_ts)
+  for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(xla)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_a_decode_step_projects_q_k_v_and_the_mlp_inputs_in_one_call_each():
+  """The layers' joint projections change no logit: the same decode step with them and
+  with every product in a call of its own (float32 and int8 params)."""
+  from jaxspec.model import layers
+  from jaxspec.model.quantization import int8_decoder
+  config = get_config('test_tiny_1_1')
+  params = kernel_layout.transposed_kernels(
+      {'params': init_params(config, jax.random.PRNGKey(0))['params']})
+  encoder_tokens = jnp.asarray([[5, 6, 7, 8, 1]], jnp.int32)
+  tokens = jnp.asarray([[0, 9, 10]], jnp.int32)
+  model = T5(config)
+  encoded = model.apply(params, encoder_tokens, method=T5.encode)
+  cache = model.apply(params, encoded, encoder_tokens, 8, method=T5.init_cache)
+
+  def decode(params):
+    return model.apply(params, tokens, cache, method=T5.decode)[0]
+
+  def one_call_each(x, projections, config):
+    return tuple(projection(x) for projection in projections)
+
+  for decode_params in (params, {'params': {**int8_decoder(params)['params'],
+                                            'encoder': params['params']['encoder']}}):
+    jaxpr = str(jax.make_jaxpr(lambda: decode(decode_params))())
+    assert (cpu_matmul.MANY_TARGET_NAMES[3] in jaxpr
+            or cpu_matmul.MANY_INT8_TARGET_NAMES[3] in jaxpr)
+    joint = np.asarray(decode(decode_params))
+    original = layers.project_together
+    layers.project_together = one_call_each
+    try:
+      separate = np.asarray(decode(decode_params))
+    finally:
+      layers.project_together = original
+    np.testing.assert_array_equal(joint, separate)

@@ -11,10 +11,16 @@ XLA's.
 
   few_row_matmul(x, w_t)             x [..., in] @ w_t [out, in]^T through the kernel
   matmul_transposed(x, w_t, kernel)  the kernel where it applies, else XLA's einsum
+  matmuls_transposed(x, w_ts, kernel)
+                                     x against 2 or 3 matrices in ONE kernel call (a
+                                     layer's q/k/v), each result bit-identical to its
+                                     own call's; else one product each
   matmul_int8(x, w_q, scale, kernel) x @ (w_q * scale)^T for int8 w_q [out, in], x's rows
                                      quantized to int8 on the fly (int8 drafts,
                                      jaxspec.model.quantization): the kernel's int8
                                      handler where it applies, else XLA
+  matmuls_int8(x, pairs, kernel)     matmul_int8 against 2 or 3 (w_q, scale) pairs in ONE
+                                     call (the rows quantized once)
   kernel_available()                 builds (once) and registers the kernel; False if not
 
 Where it applies: float32 operands (int8 weights for matmul_int8), at most MAX_ROWS rows (the product of x's leading
@@ -61,6 +67,10 @@ TRANSPOSED_CONTRACTION_ROWS = 16  # XLA's [b, out, t] contraction up to this man
 TARGET_NAME = 'jaxspec_few_row_matmul'
 INT8_TARGET_NAME = 'jaxspec_few_row_matmul_int8'
 ATTENTION_TARGET_NAME = 'jaxspec_cached_attention'  # jaxspec.model.cpu_attention
+# Two or three weight matrices against the same rows in one call (a layer's q/k/v, the
+# MLP's wi_0/wi_1), float32 and int8.
+MANY_TARGET_NAMES = {2: 'jaxspec_few_row_matmul_2', 3: 'jaxspec_few_row_matmul_3'}
+MANY_INT8_TARGET_NAMES = {2: 'jaxspec_few_row_matmul_int8_2', 3: 'jaxspec_few_row_matmul_int8_3'}
 KERNEL_DIR = pathlib.Path(__file__).parent / 'cpu_kernels'
 # One library holds every CPU kernel: these sources, compiled together, and the header
 # they share (its bytes key the build too).
@@ -77,7 +87,11 @@ ISA_FLAGS = {'avx2': ('-mavx2', '-mfma'),
 ISA_CPU_FLAGS = {'avx2': {'avx2', 'fma'},
                  'avx512': {'avx2', 'fma', 'avx512f', 'avx512bw', 'avx512_vnni'}}
 _SYMBOLS = {TARGET_NAME: 'JaxspecFewRowMatmul', INT8_TARGET_NAME: 'JaxspecFewRowMatmulInt8',
-            ATTENTION_TARGET_NAME: 'JaxspecCachedAttention'}
+            ATTENTION_TARGET_NAME: 'JaxspecCachedAttention',
+            MANY_TARGET_NAMES[2]: 'JaxspecFewRowMatmul2',
+            MANY_TARGET_NAMES[3]: 'JaxspecFewRowMatmul3',
+            MANY_INT8_TARGET_NAMES[2]: 'JaxspecFewRowMatmulInt8x2',
+            MANY_INT8_TARGET_NAMES[3]: 'JaxspecFewRowMatmulInt8x3'}
 
 
 def xla_matmul_transposed(x, w_t):
@@ -274,3 +288,60 @@ def matmul_int8(x, w_q, scale, cpu_matmul: str = KERNEL):
   if applies_int8(x, w_q, scale) and use_kernel(cpu_matmul):
     return few_row_matmul_int8(x, w_q, scale)
   return xla_matmul_int8(x, w_q, scale)
+
+
+# Several matrices against the same rows in one call: a decode step's q/k/v projections
+# and the MLP's two input projections. Each result equals its own call's bit for bit
+# (outputs never depend on each other); the step saves a call and a thread hand-off per
+# extra matrix (and, in int8, a quantization of the rows).
+
+
+def _many_shapes(x, outs):
+  return tuple(jax.ShapeDtypeStruct(x.shape[:-1] + (out,), jnp.float32) for out in outs)
+
+
+@jax.custom_jvp
+def few_row_matmuls(x, w_ts):
+  """(x @ w_t^T for w_t in w_ts) through one kernel call: 2 or 3 float32 matrices
+  [out_k, in] that each satisfy applies(x, w_t)."""
+  return tuple(jax.ffi.ffi_call(MANY_TARGET_NAMES[len(w_ts)],
+                                _many_shapes(x, [w.shape[0] for w in w_ts]),
+                                vmap_method='sequential')(x, *w_ts))
+
+
+@few_row_matmuls.defjvp
+def _few_row_matmuls_jvp(primals, tangents):
+  x, w_ts = primals
+  dx, dw_ts = tangents
+  return (few_row_matmuls(x, w_ts),
+          tuple(xla_matmul_transposed(dx, w) + xla_matmul_transposed(x, dw)
+                for w, dw in zip(w_ts, dw_ts)))
+
+
+def matmuls_transposed(x, w_ts, cpu_matmul: str = KERNEL):
+  """(matmul_transposed(x, w_t) for w_t in w_ts): one kernel call for 2 or 3 matrices
+  where the kernel applies to each, else one product each."""
+  w_ts = tuple(w_ts)
+  if (len(w_ts) in MANY_TARGET_NAMES and all(applies(x, w) for w in w_ts)
+      and use_kernel(cpu_matmul)):
+    return few_row_matmuls(x, w_ts)
+  return tuple(matmul_transposed(x, w, cpu_matmul) for w in w_ts)
+
+
+def few_row_matmuls_int8(x, pairs):
+  """(few_row_matmul_int8(x, w_q, scale) for (w_q, scale) in pairs) in one kernel call."""
+  operands = [operand for pair in pairs for operand in pair]
+  return tuple(jax.ffi.ffi_call(MANY_INT8_TARGET_NAMES[len(pairs)],
+                                _many_shapes(x, [w_q.shape[0] for w_q, _ in pairs]),
+                                vmap_method='sequential')(x, *operands))
+
+
+def matmuls_int8(x, pairs, cpu_matmul: str = KERNEL):
+  """(matmul_int8(x, w_q, scale) for (w_q, scale) in pairs): one kernel call for 2 or 3
+  pairs where the kernel applies to each, else one product each."""
+  pairs = tuple(pairs)
+  x = x.astype(jnp.float32)
+  if (len(pairs) in MANY_INT8_TARGET_NAMES and all(applies_int8(x, *pair) for pair in pairs)
+      and use_kernel(cpu_matmul)):
+    return few_row_matmuls_int8(x, pairs)
+  return tuple(matmul_int8(x, *pair, cpu_matmul) for pair in pairs)

@@ -85,6 +85,34 @@ class Dense(nn.Module):
     return jnp.dot(x.astype(dtype), kernel.astype(dtype))
 
 
+  def decode_weights(self):
+    """The params this projection decodes with, read without declaring them:
+    (KERNEL_INT8, kernel_int8, kernel_scale), (KERNEL_T, kernel_t), or None (T5X's
+    layout, or params not made yet: init)."""
+    if self.has_variable('params', KERNEL_INT8):
+      return (KERNEL_INT8, self.get_variable('params', KERNEL_INT8),
+              self.get_variable('params', KERNEL_SCALE))
+    if self.has_variable('params', KERNEL_T):
+      return (KERNEL_T, self.get_variable('params', KERNEL_T))
+    return None
+
+
+def project_together(x, projections, config: T5Config):
+  """(projection(x) for projection in projections), Dense modules over the same x
+  [..., in]: ONE call of the few-row kernel where they all hold transposed (or all
+  int8) kernels and it applies (jaxspec.model.cpu_matmul.matmuls_transposed /
+  matmuls_int8: results bit-identical to separate calls), else each on its own."""
+  weights = [projection.decode_weights() for projection in projections]
+  dtype = config.compute_dtype
+  if all(w is not None and w[0] == KERNEL_T for w in weights):
+    return cpu_matmul.matmuls_transposed(
+        x.astype(dtype), [w[1].astype(dtype) for w in weights], config.cpu_matmul)
+  if all(w is not None and w[0] == KERNEL_INT8 for w in weights):
+    return tuple(y.astype(dtype) for y in cpu_matmul.matmuls_int8(
+        x, [(w[1], w[2]) for w in weights], config.cpu_matmul))
+  return tuple(projection(x) for projection in projections)
+
+
 def _existing(rng, shape, dtype):
   """The init of int8 params, which are read only where the params hold them (Flax
   evaluates it abstractly to check their shapes): they are made from float params by
@@ -235,6 +263,12 @@ class MultiHeadAttention(nn.Module):
     """x [b, s, e] -> keys, values [b, s, h, d]."""
     return self._split_heads(self.key(x)), self._split_heads(self.value(x))
 
+  def project_query_key_value(self, x):
+    """x [b, t, e] -> queries, keys, values [b, t, h, d], in one kernel call on CPU
+    (project_together)."""
+    return tuple(self._split_heads(y) for y in project_together(
+        x, (self.query, self.key, self.value), self.config))
+
   def attend_cached(self, query, keys, values, bias, num_keys=None):
     """query [b,t,h,d] against cached keys/values [b,h,d,s] (jaxspec.model.cache) -> [b, t, e].
 
@@ -270,8 +304,9 @@ class MlpBlock(nn.Module):
     if config.mlp_activations == ('relu',):
       hidden = nn.relu(dense_in(name='wi')(x))
     else:
-      hidden = (nn.gelu(dense_in(name='wi_0')(x), approximate=True)
-                * dense_in(name='wi_1')(x))
+      gate, linear = project_together(x, (dense_in(name='wi_0'), dense_in(name='wi_1')),
+                                      config)
+      hidden = nn.gelu(gate, approximate=True) * linear
     hidden = constrain(hidden, MLP_AXES, self.role)
     out = Dense(features=config.emb_dim, kernel_axes=('mlp', 'embed'), config=config,
                 name='wo')(hidden)

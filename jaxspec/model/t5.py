@@ -117,14 +117,15 @@ class DecoderLayer(nn.Module):
   def __call__(self, x, layer_cache: LayerCache, write_positions, self_bias, cross_bias):
     """x [b, t, e]; write_positions [b, t]; biases [b, h|1, t, L] and [b, 1, t, s]."""
     y = self.pre_self_attention_layer_norm(x)
-    new_keys, new_values = self.self_attention.project_key_value(y)  # [b, t, h, d]
+    # [b, t, h, d] each
+    queries, new_keys, new_values = self.self_attention.project_query_key_value(y)
     keys, values = cache_lib.write_all((layer_cache.self_keys, layer_cache.self_values),
                                        (new_keys, new_values), write_positions)
     keys, values = (constrain(keys, CACHE_AXES, self.role),
                     constrain(values, CACHE_AXES, self.role))
     # A step's queries see slots up to the last one it writes, never past it.
     x = x + self.self_attention.attend_cached(
-        self.self_attention.project_query(y), keys, values, self_bias,
+        queries, keys, values, self_bias,
         num_keys=write_positions[:, -1] + 1)
     y = self.pre_cross_attention_layer_norm(x)
     x = x + self.encoder_decoder_attention.attend_cached(

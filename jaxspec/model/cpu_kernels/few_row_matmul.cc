@@ -595,6 +595,130 @@ ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+
+// ---- Several weight matrices against the same rows (JaxspecFewRowMatmul2/3 and their
+// int8 forms) ----
+// A layer's query, key and value projections, and the MLP's two input projections, read
+// the same activations: one call computes them all, their outputs taken end to end and
+// split among the threads like one product's. Every output is computed exactly as in a
+// call of its own (outputs never depend on each other), so the results equal separate
+// calls bit for bit; a decode step saves a call and a thread hand-off per extra matrix,
+// and the int8 form quantizes the rows once.
+
+// f(k, begin, end) for the part of outputs [begin, end) of the concatenation that falls
+// in matrix k (outputs [offset_k, offset_k + out[k])), in matrix k's own numbering.
+template <int N, typename PerMatrix>
+void OverMatrices(const int64_t (&out)[N], int64_t begin, int64_t end, const PerMatrix& f) {
+  int64_t offset = 0;
+  for (int k = 0; k < N; ++k) {
+    const int64_t first = std::max(begin, offset), last = std::min(end, offset + out[k]);
+    if (first < last) f(k, first - offset, last - offset);
+    offset += out[k];
+  }
+}
+
+// Rows of x against matrices with dims w_dims[k] (all [out_k, in] with one `in`).
+template <int N>
+ffi::Error ManyRowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
+                      const ffi::Span<const int64_t> (&w_dims)[N], int64_t (&out)[N],
+                      int64_t* rows) {
+  for (int k = 0; k < N; ++k) {
+    if (ffi::Error error = RowsOf(x_dims, x_count, w_dims[k], rows); error.failure())
+      return error;
+    out[k] = w_dims[k][0];
+  }
+  return ffi::Error::Success();
+}
+
+template <int N>
+ffi::Error ManyMatmuls(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
+                       const ffi::Buffer<ffi::F32>* const (&w)[N],
+                       ffi::ResultBuffer<ffi::F32>* const (&y)[N]) {
+  ffi::Span<const int64_t> w_dims[N];
+  for (int k = 0; k < N; ++k) w_dims[k] = w[k]->dimensions();
+  int64_t out[N], rows = 0;
+  if (ffi::Error error = ManyRowsOf<N>(x.dimensions(), x.element_count(), w_dims, out, &rows);
+      error.failure())
+    return error;
+  const int64_t in = w_dims[0][1];
+  const float* xp = x.typed_data();
+  int64_t total = 0;
+  for (int k = 0; k < N; ++k) {
+    if (in == 0) std::fill((*y[k])->typed_data(), (*y[k])->typed_data() + rows * out[k], 0.0f);
+    total += out[k];
+  }
+  if (in == 0) return ffi::Error::Success();
+  SplitOutputs(pool, total, [&](int64_t begin, int64_t end) {
+    OverMatrices<N>(out, begin, end, [&](int k, int64_t first, int64_t last) {
+      Outputs(xp, w[k]->typed_data(), (*y[k])->typed_data(), rows, in, out[k], first, last);
+    });
+  });
+  return ffi::Error::Success();
+}
+
+template <int N>
+ffi::Error ManyMatmulsInt8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
+                           const ffi::Buffer<ffi::S8>* const (&w)[N],
+                           const ffi::Buffer<ffi::F32>* const (&scale)[N],
+                           ffi::ResultBuffer<ffi::F32>* const (&y)[N]) {
+  ffi::Span<const int64_t> w_dims[N];
+  for (int k = 0; k < N; ++k) w_dims[k] = w[k]->dimensions();
+  int64_t out[N], rows = 0;
+  if (ffi::Error error = ManyRowsOf<N>(x.dimensions(), x.element_count(), w_dims, out, &rows);
+      error.failure())
+    return error;
+  const int64_t in = w_dims[0][1];
+  int64_t total = 0;
+  for (int k = 0; k < N; ++k) {
+    if (scale[k]->element_count() != out[k])
+      return ffi::Error::InvalidArgument("scale must be [out] for w [out, in]");
+    if (in == 0) std::fill((*y[k])->typed_data(), (*y[k])->typed_data() + rows * out[k], 0.0f);
+    total += out[k];
+  }
+  if (in == 0) return ffi::Error::Success();
+  // The calling thread's buffers, as in FewRowMatmulInt8; the helpers reach them through
+  // this pointer (a thread_local named inside the lambda would be each helper's own).
+  thread_local QuantizedRows quantized;
+  const QuantizedRows* xq = &quantized;
+  QuantizeRows(x.typed_data(), rows, in, &quantized);
+  SplitOutputs(pool, total, [&](int64_t begin, int64_t end) {
+    OverMatrices<N>(out, begin, end, [&](int k, int64_t first, int64_t last) {
+      Int8Outputs(*xq, w[k]->typed_data(), scale[k]->typed_data(),
+                  (*y[k])->typed_data(), rows, in, out[k], first, last);
+    });
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error FewRowMatmul2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                         ffi::Buffer<ffi::F32> w0, ffi::Buffer<ffi::F32> w1,
+                         ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1) {
+  return ManyMatmuls<2>(pool, x, {&w0, &w1}, {&y0, &y1});
+}
+
+ffi::Error FewRowMatmul3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                         ffi::Buffer<ffi::F32> w0, ffi::Buffer<ffi::F32> w1,
+                         ffi::Buffer<ffi::F32> w2, ffi::ResultBuffer<ffi::F32> y0,
+                         ffi::ResultBuffer<ffi::F32> y1, ffi::ResultBuffer<ffi::F32> y2) {
+  return ManyMatmuls<3>(pool, x, {&w0, &w1, &w2}, {&y0, &y1, &y2});
+}
+
+ffi::Error FewRowMatmulInt8x2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::S8> w0, ffi::Buffer<ffi::F32> s0,
+                              ffi::Buffer<ffi::S8> w1, ffi::Buffer<ffi::F32> s1,
+                              ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1) {
+  return ManyMatmulsInt8<2>(pool, x, {&w0, &w1}, {&s0, &s1}, {&y0, &y1});
+}
+
+ffi::Error FewRowMatmulInt8x3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::S8> w0, ffi::Buffer<ffi::F32> s0,
+                              ffi::Buffer<ffi::S8> w1, ffi::Buffer<ffi::F32> s1,
+                              ffi::Buffer<ffi::S8> w2, ffi::Buffer<ffi::F32> s2,
+                              ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1,
+                              ffi::ResultBuffer<ffi::F32> y2) {
+  return ManyMatmulsInt8<3>(pool, x, {&w0, &w1, &w2}, {&s0, &s1, &s2}, {&y0, &y1, &y2});
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmul, FewRowMatmul,
@@ -610,4 +734,49 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8, FewRowMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmul2, FewRowMatmul2,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmul3, FewRowMatmul3,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8x2, FewRowMatmulInt8x2,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8x3, FewRowMatmulInt8x3,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
