@@ -1,7 +1,8 @@
 """jaxspec.model.cpu_attention: the cached-attention CPU kernel against float64 and XLA.
 
 The decoders' exactness suites run through it too (decode steps on the CPU backend use
-it by default); here: its arithmetic, the property that keeps a verify step exact (a
+it by default; tests/test_cpu_matmul.py checks that a decode step calls it); here: its
+arithmetic, the property that keeps a verify step exact (a
 query's output depends neither on the other queries of the step nor on how many slots
 past the ones it sees are read), and where it applies.
 """
@@ -11,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.config import get_config
-from jaxspec.model import T5, cpu_attention, cpu_matmul, init_params, kernel_layout
+from jaxspec.model import cpu_attention, cpu_matmul
 from jaxspec.model.layers import NEG_INF
 
 needs_kernel = pytest.mark.skipif(not cpu_matmul.kernel_available(),
@@ -120,22 +120,3 @@ def test_no_slots_gives_zeros_and_gradients_match_xla():
       q, k, v, bias)), argnums=(0, 1, 2))(query, keys, values)
   for got, expected in zip(kernel_grads, xla_grads):
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
-
-
-@needs_kernel
-def test_decode_step_uses_the_kernel_and_agrees_with_xla():
-  config = get_config('test_tiny_1_1')
-  params = kernel_layout.transposed_kernels(
-      {'params': init_params(config, jax.random.PRNGKey(0))['params']})
-  encoder_tokens = jnp.asarray([[5, 6, 7, 8, 1]], jnp.int32)
-  tokens = jnp.asarray([[0, 9, 10]], jnp.int32)
-
-  def decode(setting):
-    model = T5(config.replace(cpu_matmul=setting))
-    encoded = model.apply(params, encoder_tokens, method=T5.encode)
-    cache = model.apply(params, encoded, encoder_tokens, 8, method=T5.init_cache)
-    return lambda: model.apply(params, tokens, cache, method=T5.decode)[0]
-
-  assert cpu_matmul.ATTENTION_TARGET_NAME in str(jax.make_jaxpr(decode(cpu_matmul.KERNEL))())
-  np.testing.assert_allclose(np.asarray(decode(cpu_matmul.KERNEL)()),
-                             np.asarray(decode(cpu_matmul.XLA)()), rtol=1e-5, atol=1e-5)

@@ -93,23 +93,30 @@ def test_gradients_and_vmap_match_xla():
 
 
 @needs_kernel
-def test_decode_step_uses_the_kernel_and_agrees_with_xla():
-  config = get_config('test_tiny_1_1')
+def _tiny_decode_step(setting=cpu_matmul.KERNEL):
+  """(params, decode(params) -> logits): a 3-token decode step of the tiny T5.1.1 model
+  (transposed kernels) under cpu_matmul `setting`."""
+  config = get_config('test_tiny_1_1').replace(cpu_matmul=setting)
   params = kernel_layout.transposed_kernels(
       {'params': init_params(config, jax.random.PRNGKey(0))['params']})
   encoder_tokens = jnp.asarray([[5, 6, 7, 8, 1]], jnp.int32)
   tokens = jnp.asarray([[0, 9, 10]], jnp.int32)
+  model = T5(config)
+  encoded = model.apply(params, encoder_tokens, method=T5.encode)
+  cache = model.apply(params, encoded, encoder_tokens, 8, method=T5.init_cache)
+  return params, lambda params: model.apply(params, tokens, cache, method=T5.decode)[0]
 
-  def decode(setting):
-    model = T5(config.replace(cpu_matmul=setting))
-    encoded = model.apply(params, encoder_tokens, method=T5.encode)
-    cache = model.apply(params, encoded, encoder_tokens, 8, method=T5.init_cache)
-    return lambda: model.apply(params, tokens, cache, method=T5.decode)[0]
 
-  assert cpu_matmul.TARGET_NAME in str(jax.make_jaxpr(decode(cpu_matmul.KERNEL))())
-  assert cpu_matmul.TARGET_NAME not in str(jax.make_jaxpr(decode(cpu_matmul.XLA))())
-  np.testing.assert_allclose(np.asarray(decode(cpu_matmul.KERNEL)()),
-                             np.asarray(decode(cpu_matmul.XLA)()), rtol=1e-5, atol=1e-5)
+def test_decode_step_uses_the_kernels_and_agrees_with_xla():
+  """Its products and its attention (jaxspec.model.cpu_attention) run through the kernels."""
+  params, kernel_step = _tiny_decode_step(cpu_matmul.KERNEL)
+  _, xla_step = _tiny_decode_step(cpu_matmul.XLA)
+  kernel_jaxpr = str(jax.make_jaxpr(lambda: kernel_step(params))())
+  xla_jaxpr = str(jax.make_jaxpr(lambda: xla_step(params))())
+  for name in (cpu_matmul.MANY_TARGET_NAMES[3], cpu_matmul.ATTENTION_TARGET_NAME):
+    assert name in kernel_jaxpr and name not in xla_jaxpr
+  np.testing.assert_allclose(np.asarray(kernel_step(params)), np.asarray(xla_step(params)),
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_no_compiler_or_a_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path):
@@ -354,22 +361,12 @@ def test_several_matrices_fall_back_where_the_kernel_cannot_and_differentiate_li
 
 
 @needs_kernel
-def test_a_decode_step_projects_q_k_v_and_the_mlp_inputs_in_one_call_each():
+def test_a_decode_step_projects_q_k_v_and_the_mlp_inputs_in_one_call_each(monkeypatch):
   """The layers' joint projections change no logit: the same decode step with them and
   with every product in a call of its own (float32 and int8 params)."""
   from jaxspec.model import layers
   from jaxspec.model.quantization import int8_decoder
-  config = get_config('test_tiny_1_1')
-  params = kernel_layout.transposed_kernels(
-      {'params': init_params(config, jax.random.PRNGKey(0))['params']})
-  encoder_tokens = jnp.asarray([[5, 6, 7, 8, 1]], jnp.int32)
-  tokens = jnp.asarray([[0, 9, 10]], jnp.int32)
-  model = T5(config)
-  encoded = model.apply(params, encoder_tokens, method=T5.encode)
-  cache = model.apply(params, encoded, encoder_tokens, 8, method=T5.init_cache)
-
-  def decode(params):
-    return model.apply(params, tokens, cache, method=T5.decode)[0]
+  params, decode = _tiny_decode_step()
 
   def one_call_each(x, projections, config):
     return tuple(projection(x) for projection in projections)
@@ -380,10 +377,7 @@ def test_a_decode_step_projects_q_k_v_and_the_mlp_inputs_in_one_call_each():
     assert (cpu_matmul.MANY_TARGET_NAMES[3] in jaxpr
             or cpu_matmul.MANY_INT8_TARGET_NAMES[3] in jaxpr)
     joint = np.asarray(decode(decode_params))
-    original = layers.project_together
-    layers.project_together = one_call_each
-    try:
+    with monkeypatch.context() as patch:
+      patch.setattr(layers, 'project_together', one_call_each)
       separate = np.asarray(decode(decode_params))
-    finally:
-      layers.project_together = original
     np.testing.assert_array_equal(joint, separate)

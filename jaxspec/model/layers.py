@@ -84,7 +84,6 @@ class Dense(nn.Module):
                              param_dtype, axes=self.kernel_axes)
     return jnp.dot(x.astype(dtype), kernel.astype(dtype))
 
-
   def decode_weights(self):
     """The params this projection decodes with, read without declaring them:
     (KERNEL_INT8, kernel_int8, kernel_scale), (KERNEL_T, kernel_t), or None (T5X's
