@@ -120,3 +120,65 @@ def test_no_slots_gives_zeros_and_gradients_match_xla():
       q, k, v, bias)), argnums=(0, 1, 2))(query, keys, values)
   for got, expected in zip(kernel_grads, xla_grads):
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+# The self-attention with its cache write (attend_and_write), as a decode step calls it.
+
+def _write_operands(starts, queries=9, slots=24, batch=2, seed=4):
+  rng = np.random.default_rng(seed)
+  query, keys, values, bias = _operands(batch, queries, 4, 20, slots, starts, seed=seed)
+  new_keys, new_values = (rng.standard_normal(query.shape).astype(np.float32) for _ in 'kv')
+  return tuple(map(jnp.asarray, (query, new_keys, new_values, keys, values, bias)))
+
+
+@needs_kernel
+@pytest.mark.parametrize('starts', [[0, 7], [15, 3], [20, 0]])  # [20, 0]: row 0 runs past
+def test_attend_and_write_equals_the_write_then_the_attention(starts):
+  """Its buffers are cache.write_all's bit for bit (writes past the buffer dropped, rows
+  at their own starts), and its attention is the attention kernel's over them."""
+  operands = _write_operands(starts)
+  starts = jnp.asarray(starts, jnp.int32)
+  out, keys, values = jax.jit(cpu_attention.kernel_attend_and_write)(*operands, starts)
+  xla_out, xla_keys, xla_values = cpu_attention.xla_attend_and_write(*operands, starts)
+  np.testing.assert_array_equal(np.asarray(keys), np.asarray(xla_keys))
+  np.testing.assert_array_equal(np.asarray(values), np.asarray(xla_values))
+  query, bias = operands[0], operands[5]
+  np.testing.assert_array_equal(
+      np.asarray(out), np.asarray(_kernel(query, xla_keys, xla_values, bias,
+                                          starts + query.shape[1])))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(xla_out), rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_attend_and_write_updates_the_cache_in_place_in_a_loop_and_differentiates_like_xla():
+  """A loop that writes a position a step copies no cache buffer (the conditional write
+  held copies of both in its branches), and its derivatives are XLA's."""
+  import re
+  query, new_keys, new_values, keys, values, bias = _write_operands([0], queries=1, batch=1)
+  slots = keys.shape[3]
+
+  def step(carry, position):
+    keys, values = carry
+    out, keys, values = cpu_attention.attend_and_write(
+        query, new_keys + position, new_values, keys, values, bias, position[None])
+    return (keys, values), jnp.sum(out)
+
+  program = jax.jit(lambda k, v: jax.lax.scan(step, (k, v), jnp.arange(5, dtype=jnp.int32)))
+  text = program.lower(keys, values).compile().as_text()
+  buffer = r'f32\[1,4,20,%d\]' % slots
+  assert not re.findall(buffer + r'[^\n]*\bcopy\(', text.split('ENTRY')[0])
+  (written, _), _ = program(keys, values)
+  steps = np.arange(5, dtype=np.float32)[:, None, None]  # [position, h, d]
+  np.testing.assert_array_equal(np.asarray(written)[0, :, :, :5],
+                                np.moveaxis(np.asarray(new_keys)[0, 0][None] + steps, 0, -1))
+
+  def loss(attend):
+    return lambda q, k, v: sum(jnp.sum(jnp.sin(y)) for y in attend(
+        q, new_keys, new_values, k, v, bias, jnp.asarray([3], jnp.int32)))
+
+  kernel_grads = jax.grad(loss(cpu_attention.attend_and_write), argnums=(0, 1, 2))(
+      query, keys, values)
+  xla_grads = jax.grad(loss(cpu_attention.xla_attend_and_write), argnums=(0, 1, 2))(
+      query, keys, values)
+  for got, expected in zip(kernel_grads, xla_grads):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)

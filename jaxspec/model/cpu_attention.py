@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxspec.model import cache as cache_lib
 from jaxspec.model import cpu_matmul
 
 MAX_QUERIES = cpu_matmul.MAX_ROWS  # Queries per step routed to the kernel (decode steps).
@@ -89,3 +90,50 @@ def cached_attention(query, keys, values, bias, num_keys=None,
       num_keys = jnp.full((query.shape[0],), keys.shape[3], jnp.int32)
     return kernel_attention(query, keys, values, bias, jnp.asarray(num_keys, jnp.int32))
   return xla_cached_attention(query, keys, values, bias)
+
+
+def xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts):
+  """attend_and_write through XLA: cache.write_all, then xla_cached_attention."""
+  write_positions = starts[:, None] + jnp.arange(query.shape[1], dtype=jnp.int32)[None, :]
+  keys, values = cache_lib.write_all((keys, values), (new_keys, new_values), write_positions)
+  return xla_cached_attention(query, keys, values, bias), keys, values
+
+
+def applies_write(query, new_keys, new_values, keys, values, bias) -> bool:
+  """Whether the kernel can compute attend_and_write (shapes and dtypes)."""
+  return (applies(query, keys, values, bias)
+          and new_keys.shape == query.shape and new_values.shape == query.shape
+          and new_keys.dtype == jnp.float32 and new_values.dtype == jnp.float32)
+
+
+@jax.custom_jvp
+def kernel_attend_and_write(query, new_keys, new_values, keys, values, bias, starts):
+  """attend_and_write through the kernel (applies_write(...)); starts [b] int32."""
+  return jax.ffi.ffi_call(
+      cpu_matmul.ATTENTION_WRITE_TARGET_NAME,
+      (jax.ShapeDtypeStruct(query.shape, jnp.float32),
+       jax.ShapeDtypeStruct(keys.shape, jnp.float32),
+       jax.ShapeDtypeStruct(values.shape, jnp.float32)),
+      input_output_aliases={3: 1, 4: 2}, vmap_method='sequential')(
+          query, new_keys, new_values, keys, values, bias, starts)
+
+
+@kernel_attend_and_write.defjvp
+def _kernel_attend_and_write_jvp(primals, tangents):
+  starts = primals[6]
+  _, tangents_out = jax.jvp(lambda *operands: xla_attend_and_write(*operands, starts),
+                            primals[:6], tangents[:6])
+  return kernel_attend_and_write(*primals), tangents_out
+
+
+def attend_and_write(query, new_keys, new_values, keys, values, bias, starts,
+                     cpu_matmul_setting: str = cpu_matmul.KERNEL):
+  """query [b,t,h,d] with the step's new keys/values [b,t,h,d] written into keys/values
+  [b,h,d,L] at slots starts[b] + 0..t-1 (dropped past L), then attending with bias
+  [b,h|1,t,L], which must mask every slot past a query's own position ->
+  (out [b,t,h,d], keys, values)."""
+  starts = jnp.asarray(starts, jnp.int32)
+  if (applies_write(query, new_keys, new_values, keys, values, bias)
+      and cpu_matmul.use_kernel(cpu_matmul_setting)):
+    return kernel_attend_and_write(query, new_keys, new_values, keys, values, bias, starts)
+  return xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts)

@@ -67,6 +67,7 @@ TRANSPOSED_CONTRACTION_ROWS = 16  # XLA's [b, out, t] contraction up to this man
 TARGET_NAME = 'jaxspec_few_row_matmul'
 INT8_TARGET_NAME = 'jaxspec_few_row_matmul_int8'
 ATTENTION_TARGET_NAME = 'jaxspec_cached_attention'  # jaxspec.model.cpu_attention
+ATTENTION_WRITE_TARGET_NAME = 'jaxspec_cached_attention_write'  # ... with the cache write
 # Two or three weight matrices against the same rows in one call (a layer's q/k/v, the
 # MLP's wi_0/wi_1), float32 and int8.
 MANY_TARGET_NAMES = {2: 'jaxspec_few_row_matmul_2', 3: 'jaxspec_few_row_matmul_3'}
@@ -88,6 +89,7 @@ ISA_CPU_FLAGS = {'avx2': {'avx2', 'fma'},
                  'avx512': {'avx2', 'fma', 'avx512f', 'avx512bw', 'avx512_vnni'}}
 _SYMBOLS = {TARGET_NAME: 'JaxspecFewRowMatmul', INT8_TARGET_NAME: 'JaxspecFewRowMatmulInt8',
             ATTENTION_TARGET_NAME: 'JaxspecCachedAttention',
+            ATTENTION_WRITE_TARGET_NAME: 'JaxspecCachedAttentionWrite',
             MANY_TARGET_NAMES[2]: 'JaxspecFewRowMatmul2',
             MANY_TARGET_NAMES[3]: 'JaxspecFewRowMatmul3',
             MANY_INT8_TARGET_NAMES[2]: 'JaxspecFewRowMatmulInt8x2',

@@ -278,6 +278,16 @@ class MultiHeadAttention(nn.Module):
     out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
     return constrain(self.out(out), EMBED_AXES, self.role)
 
+  def attend_writing(self, query, new_keys, new_values, keys, values, bias, starts):
+    """A decode step's self-attention with its cache write: new keys/values [b,t,h,d]
+    go into the cached keys/values [b,h,d,s] at slots starts[b] + 0..t-1, then query
+    [b,t,h,d] attends over them -> ([b, t, e], keys, values)
+    (jaxspec.model.cpu_attention.attend_and_write)."""
+    out, keys, values = cpu_attention.attend_and_write(
+        query, new_keys, new_values, keys, values, bias, starts, self.config.cpu_matmul)
+    out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
+    return constrain(self.out(out), EMBED_AXES, self.role), keys, values
+
   def attend(self, query, keys, values, bias):
     """query [b,t,h,d] against keys/values [b,s,h,d] with bias -> [b, t, e]."""
     out = dot_product_attention(query, keys, values, bias)  # [b, t, h, d]

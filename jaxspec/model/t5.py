@@ -29,7 +29,6 @@ import jax.numpy as jnp
 
 from jaxspec.config import T5Config
 from jaxspec.model import layers
-from jaxspec.model import cache as cache_lib
 from jaxspec.model.cache import DecoderCache, LayerCache
 from jaxspec.model.sharding import CACHE_AXES, EMBED_AXES, TARGET, VOCAB_AXES, constrain
 
@@ -119,14 +118,14 @@ class DecoderLayer(nn.Module):
     y = self.pre_self_attention_layer_norm(x)
     # [b, t, h, d] each
     queries, new_keys, new_values = self.self_attention.project_query_key_value(y)
-    keys, values = cache_lib.write_all((layer_cache.self_keys, layer_cache.self_values),
-                                       (new_keys, new_values), write_positions)
+    # The step's keys/values go into the cache at write_positions (end_index + 0..t-1);
+    # its queries see slots up to the last one it writes, never past it.
+    attended, keys, values = self.self_attention.attend_writing(
+        queries, new_keys, new_values, layer_cache.self_keys, layer_cache.self_values,
+        self_bias, write_positions[:, 0])
     keys, values = (constrain(keys, CACHE_AXES, self.role),
                     constrain(values, CACHE_AXES, self.role))
-    # A step's queries see slots up to the last one it writes, never past it.
-    x = x + self.self_attention.attend_cached(
-        queries, keys, values, self_bias,
-        num_keys=write_positions[:, -1] + 1)
+    x = x + attended
     y = self.pre_cross_attention_layer_norm(x)
     x = x + self.encoder_decoder_attention.attend_cached(
         self.encoder_decoder_attention.project_query(y), layer_cache.cross_keys,

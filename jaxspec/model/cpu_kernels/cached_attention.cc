@@ -18,6 +18,7 @@
 // covers every slot it sees. A verify step's rows thus equal the baseline's one-row steps.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -163,24 +164,15 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k,
   return ffi::Error::Success();
 }
 
-ffi::Error CachedAttention(ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> keys,
-                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> bias,
-                           ffi::Buffer<ffi::S32> num_keys, ffi::ResultBuffer<ffi::F32> out) {
-  Shapes s;
-  if (ffi::Error error = CheckShapes(query.dimensions(), keys.dimensions(), values.dimensions(),
-                                     bias.dimensions(), num_keys.element_count(), &s);
-      error.failure())
-    return error;
+// The attention of every query over keys/values kp, vp [b, h, d, L], row b reading its
+// first min(L, max(0, num_keys(b))) slots.
+template <typename NumKeys>
+void AttendAll(const Shapes& s, const float* qp, const float* kp, const float* vp,
+               const float* bp, const NumKeys& num_keys, float* op) {
   thread_local std::vector<float> weights;
   weights.resize(((s.slots + kVecLanes - 1) / kVecLanes) * kVecLanes);
-  const float* qp = query.typed_data();
-  const float* kp = keys.typed_data();
-  const float* vp = values.typed_data();
-  const float* bp = bias.typed_data();
-  const int32_t* np = num_keys.typed_data();
-  float* op = out->typed_data();
   for (int64_t b = 0; b < s.batch; ++b) {
-    const int64_t n = std::clamp<int64_t>(np[b], 0, s.slots);
+    const int64_t n = std::clamp<int64_t>(num_keys(b), 0, s.slots);
     for (int64_t h = 0; h < s.heads; ++h) {
       const float* head_keys = kp + (b * s.heads + h) * s.head_dim * s.slots;
       const float* head_values = vp + (b * s.heads + h) * s.head_dim * s.slots;
@@ -198,6 +190,66 @@ ffi::Error CachedAttention(ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> ke
       }
     }
   }
+}
+
+ffi::Error CachedAttention(ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> keys,
+                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> bias,
+                           ffi::Buffer<ffi::S32> num_keys, ffi::ResultBuffer<ffi::F32> out) {
+  Shapes s;
+  if (ffi::Error error = CheckShapes(query.dimensions(), keys.dimensions(), values.dimensions(),
+                                     bias.dimensions(), num_keys.element_count(), &s);
+      error.failure())
+    return error;
+  const int32_t* np = num_keys.typed_data();
+  AttendAll(s, query.typed_data(), keys.typed_data(), values.typed_data(), bias.typed_data(),
+            [np](int64_t b) { return static_cast<int64_t>(np[b]); }, out->typed_data());
+  return ffi::Error::Success();
+}
+
+// new [b, t, h, d] into buffer [b, h, d, L] at slots starts[b] + 0..t-1; slots outside
+// the buffer are dropped (jaxspec.model.cache.write's semantics).
+void WriteSlots(const Shapes& s, const float* new_rows, const int32_t* starts, float* buffer) {
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t i = 0; i < s.queries; ++i) {
+      const int64_t slot = static_cast<int64_t>(starts[b]) + i;
+      if (slot < 0 || slot >= s.slots) continue;
+      for (int64_t h = 0; h < s.heads; ++h) {
+        const float* source = new_rows + ((b * s.queries + i) * s.heads + h) * s.head_dim;
+        float* column = buffer + (b * s.heads + h) * s.head_dim * s.slots + slot;
+        for (int64_t d = 0; d < s.head_dim; ++d) column[d * s.slots] = source[d];
+      }
+    }
+}
+
+// A decode step's self-attention with its cache write (JaxspecCachedAttentionWrite): the
+// step's new keys/values [b, t, h, d] go into the buffers at slots starts[b] + 0..t-1, in
+// place (the results alias the buffers; copied first only where XLA gave other memory),
+// then every query attends over the first starts[b] + t slots.
+ffi::Error CachedAttentionWrite(ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> new_keys,
+                                ffi::Buffer<ffi::F32> new_values, ffi::Buffer<ffi::F32> keys,
+                                ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> bias,
+                                ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
+                                ffi::ResultBuffer<ffi::F32> keys_out,
+                                ffi::ResultBuffer<ffi::F32> values_out) {
+  Shapes s;
+  if (ffi::Error error = CheckShapes(query.dimensions(), keys.dimensions(), values.dimensions(),
+                                     bias.dimensions(), starts.element_count(), &s);
+      error.failure())
+    return error;
+  if (new_keys.element_count() != query.element_count() ||
+      new_values.element_count() != query.element_count())
+    return ffi::Error::InvalidArgument("new keys/values must be [b, t, h, d] like query");
+  const size_t buffer_bytes = keys.element_count() * sizeof(float);
+  float* kp = keys_out->typed_data();
+  float* vp = values_out->typed_data();
+  if (kp != keys.typed_data()) std::memcpy(kp, keys.typed_data(), buffer_bytes);
+  if (vp != values.typed_data()) std::memcpy(vp, values.typed_data(), buffer_bytes);
+  const int32_t* sp = starts.typed_data();
+  WriteSlots(s, new_keys.typed_data(), sp, kp);
+  WriteSlots(s, new_values.typed_data(), sp, vp);
+  AttendAll(s, query.typed_data(), kp, vp, bias.typed_data(),
+            [sp, &s](int64_t b) { return static_cast<int64_t>(sp[b]) + s.queries; },
+            out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -210,4 +262,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecCachedAttention, CachedAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecCachedAttentionWrite, CachedAttentionWrite,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
