@@ -10,7 +10,14 @@ library of jaxspec.model.cpu_matmul) computes an attention in one call over the 
   cached_attention(query, keys, values, bias, num_keys, cpu_matmul)
       query [b, t, h, d] against keys/values [b, h, d, L] (the cache layout) with the
       additive bias [b, h|1, t, L] -> [b, t, h, d]: the kernel where it applies, else
-      XLA (jaxspec.model.layers.cached_dot_product_attention's formulation)
+      XLA (`xla_cached_attention`); a decode step's cross-attention
+  attend_and_write(query, new_keys, new_values, keys, values, bias, starts, cpu_matmul)
+      a decode step's self-attention with its cache write: the step's keys/values
+      [b, t, h, d] written at slots starts[b] + 0..t-1 (dropped past the buffer), then
+      attended over the first starts[b] + t slots -> (out, keys, values). The kernel
+      writes the buffers in place (its results alias them), where the conditional write
+      of jaxspec.model.cache.write_all held copies of both in the compiled loop; else
+      XLA: write_all, then xla_cached_attention
 
 Where it applies: float32 operands, at most MAX_QUERIES queries, the CPU backend with
 the kernel built, and `T5Config.cpu_matmul == 'kernel'` (the setting that routes a

@@ -268,13 +268,11 @@ class MultiHeadAttention(nn.Module):
     return tuple(self._split_heads(y) for y in project_together(
         x, (self.query, self.key, self.value), self.config))
 
-  def attend_cached(self, query, keys, values, bias, num_keys=None):
-    """query [b,t,h,d] against cached keys/values [b,h,d,s] (jaxspec.model.cache) -> [b, t, e].
-
-    num_keys [b]: every slot a row's queries see lies among its first num_keys[b] (None:
-    any); on CPU the attention kernel reads only those (jaxspec.model.cpu_attention)."""
-    out = cpu_attention.cached_attention(query, keys, values, bias, num_keys,
-                                         self.config.cpu_matmul)  # [b, t, h, d]
+  def attend_cached(self, query, keys, values, bias):
+    """query [b,t,h,d] against cached keys/values [b,h,d,s] (jaxspec.model.cache) -> [b, t, e]
+    (on CPU through the attention kernel, jaxspec.model.cpu_attention)."""
+    out = cpu_attention.cached_attention(query, keys, values, bias,
+                                         cpu_matmul_setting=self.config.cpu_matmul)
     out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
     return constrain(self.out(out), EMBED_AXES, self.role)
 

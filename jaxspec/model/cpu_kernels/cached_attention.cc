@@ -1,5 +1,6 @@
-// jaxspec's CPU kernel for a decode step's attention over the cache, as an XLA FFI
-// handler (JaxspecCachedAttention): for each batch row b, head h and query i,
+// jaxspec's CPU kernel for a decode step's attention over the cache, as XLA FFI handlers
+// (JaxspecCachedAttention; JaxspecCachedAttentionWrite, which first writes the step's
+// keys/values into the cache in place): for each batch row b, head h and query i,
 //   out[b, i, h] = sum_s softmax_s(q[b, i, h] . k[b, h, :, s] + bias[b, h|0, i, s]) v[b, h, :, s]
 // over the first num_keys[b] key slots only, with keys and values in the cache layout
 // [b, h, d, L] (jaxspec.model.cache) and T5's additive mask in `bias` (no 1/sqrt(d)).

@@ -332,25 +332,6 @@ ffi::Error RowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
   return ffi::Error::Success();
 }
 
-ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                        ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  int64_t rows = 0;
-  if (ffi::Error error = RowsOf(x.dimensions(), x.element_count(), w.dimensions(), &rows);
-      error.failure())
-    return error;
-  const int64_t out = w.dimensions()[0], in = w.dimensions()[1];
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  if (in == 0) {
-    std::fill(yp, yp + rows * out, 0.0f);
-    return ffi::Error::Success();
-  }
-  SplitOutputs(pool, out, [&](int64_t begin, int64_t end) {
-    Outputs(xp, wp, yp, rows, in, out, begin, end);
-  });
-  return ffi::Error::Success();
-}
 
 // ---- int8 weights and int8 activations (JaxspecFewRowMatmulInt8) ----
 // y[n, o] = float(sum_i xq[n, i] * w[o, i]) * scale[o] * xs[n] for int8 w [out, in] with
@@ -567,37 +548,9 @@ void Int8Outputs(const QuantizedRows& xq, const int8_t* w, const float* scale, f
   Int8OutputBlocks<1, 1>(xq, w, scale, y, rows, in, out, o, end);
 }
 
-ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                            ffi::ResultBuffer<ffi::F32> y) {
-  int64_t rows = 0;
-  if (ffi::Error error = RowsOf(x.dimensions(), x.element_count(), w.dimensions(), &rows);
-      error.failure())
-    return error;
-  const int64_t out = w.dimensions()[0], in = w.dimensions()[1];
-  if (scale.element_count() != out)
-    return ffi::Error::InvalidArgument("scale must be [out] for w [out, in]");
-  float* yp = y->typed_data();
-  if (in == 0) {
-    std::fill(yp, yp + rows * out, 0.0f);
-    return ffi::Error::Success();
-  }
-  // The calling thread's buffers, reused: every part that reads them finishes before
-  // this call returns (a pool task that starts later claims no part and reads nothing).
-  thread_local QuantizedRows quantized;
-  QuantizedRows* xq = &quantized;
-  QuantizeRows(x.typed_data(), rows, in, xq);
-  const int8_t* wp = w.typed_data();
-  const float* sp = scale.typed_data();
-  SplitOutputs(pool, out, [&](int64_t begin, int64_t end) {
-    Int8Outputs(*xq, wp, sp, yp, rows, in, out, begin, end);
-  });
-  return ffi::Error::Success();
-}
 
-
-// ---- Several weight matrices against the same rows (JaxspecFewRowMatmul2/3 and their
-// int8 forms) ----
+// ---- One or several weight matrices against the same rows (JaxspecFewRowMatmul,
+// JaxspecFewRowMatmul2/3 and their int8 forms) ----
 // A layer's query, key and value projections, and the MLP's two input projections, read
 // the same activations: one call computes them all, their outputs taken end to end and
 // split among the threads like one product's. Every output is computed exactly as in a
@@ -676,8 +629,10 @@ ffi::Error ManyMatmulsInt8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x
     total += out[k];
   }
   if (in == 0) return ffi::Error::Success();
-  // The calling thread's buffers, as in FewRowMatmulInt8; the helpers reach them through
-  // this pointer (a thread_local named inside the lambda would be each helper's own).
+  // The calling thread's buffers, reused: every part that reads them finishes before
+  // this call returns (a pool task that starts later claims no part and reads nothing).
+  // The helpers reach them through this pointer (a thread_local named inside the lambda
+  // would be each helper's own).
   thread_local QuantizedRows quantized;
   const QuantizedRows* xq = &quantized;
   QuantizeRows(x.typed_data(), rows, in, &quantized);
@@ -688,6 +643,17 @@ ffi::Error ManyMatmulsInt8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x
     });
   });
   return ffi::Error::Success();
+}
+
+ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                        ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  return ManyMatmuls<1>(pool, x, {&w}, {&y});
+}
+
+ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  return ManyMatmulsInt8<1>(pool, x, {&w}, {&scale}, {&y});
 }
 
 ffi::Error FewRowMatmul2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,

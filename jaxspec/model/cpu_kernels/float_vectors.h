@@ -7,7 +7,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <limits>
 
 namespace jaxspec_kernels {
 
