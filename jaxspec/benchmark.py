@@ -266,8 +266,8 @@ def decode_step_seconds(params, config: T5Config, encoder_tokens, tokens_per_ste
 
 
 @functools.partial(jax.jit, static_argnames=('drafter', 'gamma', 'cache_length', 'sampling'))
-def _propose_calls(params, encoder_tokens, tokens, num_calls, *, drafter: Drafter, gamma: int,
-                   cache_length: int, sampling: SamplingConfig):
+def propose_calls(params, encoder_tokens, tokens, num_calls, *, drafter: Drafter, gamma: int,
+                  cache_length: int, sampling: SamplingConfig):
   """Runs num_calls (traced) proposals, each fed the drafts of the one before."""
   batch = encoder_tokens.shape[0]
   state = drafter.init_state(params, encoder_tokens, cache_length)
@@ -290,7 +290,7 @@ def propose_seconds(drafter: Drafter, params, encoder_tokens, gamma: int, cache_
   """Seconds of one drafter proposal of gamma tokens, as speculative decoding calls it."""
   batch = encoder_tokens.shape[0]
   tokens = jnp.ones((batch, cache_length - gamma), jnp.int32)
-  run = lambda n: _propose_calls(params, encoder_tokens, tokens, n, drafter=drafter,
+  run = lambda n: propose_calls(params, encoder_tokens, tokens, n, drafter=drafter,
                                  gamma=gamma, cache_length=cache_length, sampling=sampling)
   return _slope(run, *calls, repeats)
 

@@ -7,6 +7,9 @@ jaxspec.model.kernel_layout and T5Config.cpu_matmul), with every (variant, k) ti
 turn within each repetition so that machine load hits all of them alike; plus the
 FLOPs and bytes XLA's cost analysis assigns to each compiled step, and the fraction
 of this machine's measured memory bandwidth and matmul throughput the step reaches.
+`measure_int8_draft_cost` gives c of Theorem 3.8 for the target's int8 draft (its own
+decoder in int8, jaxspec.Int8Drafter): the cost that sets which target sizes speculation
+pays for on a CPU, where a step reads every weight of the decoder once.
 
 Used by scripts/step_costs.py; nothing here parses flags or writes files.
 """
@@ -23,7 +26,10 @@ import numpy as np
 
 from jaxspec import benchmark
 from jaxspec.config import T5Config
+from jaxspec.decoding.int8_drafter import Int8Drafter
+from jaxspec.decoding.shared_encoder_drafter import SharedEncoderDrafterWithTarget
 from jaxspec.model import T5, init_params, kernel_layout, rollback
+from jaxspec.sampling import SamplingConfig
 
 
 # Variant name -> (kernel layout, T5Config.cpu_matmul).
@@ -148,6 +154,59 @@ def measure_step_costs(config: T5Config, positions: Sequence[int],
     cost[name] = {k: step_cost_analysis(*inputs[name, k], setup.cache_position)
                   for k in positions}
   return StepCosts(step_seconds=step_seconds, ratio=ratio, cost=cost)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8DraftCost:
+  """A target's int8 draft against the target's one-position step ('kernel' variant)."""
+  gamma: int
+  step_seconds: float  # the target's one-position step, median over repetitions
+  proposal_seconds: float  # one proposal of gamma int8-draft tokens, median
+  c: float  # median over repetitions of proposal / (gamma x step)
+
+
+# Proposals per timed call; their difference times the proposals without the
+# drafter's setup (the target's encoder pass), which both calls run once.
+INT8_PROPOSAL_CALLS = (2, 10)
+
+
+def measure_int8_draft_cost(config: T5Config, gamma: int,
+                            setup: StepCostSetup = StepCostSetup(), params=None,
+                            seed: int = 0) -> Int8DraftCost:
+  """c of the target's int8 draft (jaxspec.Int8Drafter: the target's decoder with int8
+  weights over the target's encoding), greedy proposals of gamma tokens against the
+  target's one-position step, both through the few-row kernel, interleaved.
+
+  params: the target's variables (random ones of `config` by default).
+  """
+  if gamma < 1:
+    raise ValueError(f'gamma must be >= 1, got {gamma}')
+  if setup.cache_length <= gamma:
+    raise ValueError(f'cache_length {setup.cache_length} must exceed gamma {gamma}')
+  if params is None:
+    params = {'params': init_params(config, jax.random.PRNGKey(seed))['params']}
+  target_params, target_config = variant(params, config, 'kernel')
+  drafter = Int8Drafter(config=target_config)
+  standalone = SharedEncoderDrafterWithTarget(drafter, target_config)
+  both = {'draft': drafter.draft_params(target_params), 'target': target_params}
+  encoder_tokens = jnp.ones((setup.batch_size, setup.source_length), jnp.int32)
+  prefix = jnp.ones((setup.batch_size, setup.cache_length - gamma), jnp.int32)
+  cache = _empty_cache(target_params, target_config, setup)
+  calls = {'step': functools.partial(
+      _decode_steps, target_params, cache, jnp.ones((setup.batch_size, 1), jnp.int32),
+      config=target_config, num_steps=setup.steps_per_call,
+      cache_position=setup.cache_position)}
+  for count in INT8_PROPOSAL_CALLS:
+    calls[count] = functools.partial(
+        benchmark.propose_calls, both, encoder_tokens, prefix, count, drafter=standalone,
+        gamma=gamma, cache_length=setup.cache_length, sampling=SamplingConfig())
+  times = interleaved_times(calls, setup.repeats)
+  short, long = INT8_PROPOSAL_CALLS
+  proposal = (times[long] - times[short]) / (long - short)  # [repeats]
+  step = times['step'] / setup.steps_per_call
+  return Int8DraftCost(gamma=gamma, step_seconds=float(np.median(step)),
+                       proposal_seconds=float(np.median(proposal)),
+                       c=float(np.median(proposal / (gamma * step))))
 
 
 # ---------------------------------------------------------------------------

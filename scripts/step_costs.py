@@ -11,7 +11,9 @@ k = 1..9 positions, all (variant, k) timed in turn within each repetition; V(k) 
 median over repetitions of step(k) / step(1). Also XLA's FLOPs and bytes of each compiled step and the fraction of
 this machine's measured memory bandwidth and matmul throughput the step reaches, and
 each draft's proposal of gamma tokens (in each variant) against the target's one-position
-step: c of Theorem 3.8. Writes <out>/step_costs.json, step_costs.md and v_of_k.png.
+step: c of Theorem 3.8; and each target's int8 draft (jaxspec.Int8Drafter, the target's
+own decoder in int8) at --int8_gamma, against the target's step through the kernel
+(0 skips it). Writes <out>/step_costs.json, step_costs.md and v_of_k.png.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def _parse_args(argv):
   parser.add_argument('--drafts', default='local_draft_small,local_draft_base')
   parser.add_argument('--positions', default='1,2,3,4,5,6,7,8,9')
   parser.add_argument('--gamma', type=int, default=3, help='draft tokens per proposal')
+  parser.add_argument('--int8_gamma', type=int, default=8,
+                      help="tokens per proposal of each target's int8 draft (0: not measured)")
   parser.add_argument('--repeats', type=int, default=15)
   parser.add_argument('--steps_per_call', type=int, default=10)
   defaults = step_costs.StepCostSetup()
@@ -97,6 +101,11 @@ def measure(args) -> dict:
     targets[name] = {'parameters': _parameter_count(name), 'variants': rows}
     print(name, {variant: {k: round(r['V'], 2) for k, r in rows[variant].items()}
                  for variant in VARIANTS}, flush=True)
+    if args.int8_gamma > 0:
+      int8 = step_costs.measure_int8_draft_cost(get_config(name), args.int8_gamma, setup)
+      targets[name]['int8_draft'] = {'gamma': int8.gamma, 'step_ms': 1e3 * int8.step_seconds,
+                                     'proposal_ms': 1e3 * int8.proposal_seconds, 'c': int8.c}
+      print(name, 'int8 draft', targets[name]['int8_draft'], flush=True)
   drafts = {}
   for name in _names(args.drafts):
     drafts[name] = {'parameters': _parameter_count(name),
@@ -142,6 +151,19 @@ def markdown(results: dict) -> str:
             for target in results['targets'].values()]
       lines.append(f"| {name} | {draft['parameters'] / 1e6:.2f}M | {variant} | "
                    f"{proposal:.2f} ms | " + ' | '.join(f'{c:.3f}' for c in cs) + ' |')
+  int8 = {name: target['int8_draft'] for name, target in results['targets'].items()
+          if 'int8_draft' in target}
+  if int8:
+    lines += ['', "Each target's int8 draft (its own decoder in int8 over its encoding, "
+              "jaxspec.Int8Drafter) through the kernel, interleaved with the target's "
+              "one-position step (medians over repetitions); the bytes a float32 step "
+              "accesses by XLA's cost analysis:", '',
+              '| target | bytes a step | 1-position step | int8 proposal | gamma | c |',
+              '|---|---|---|---|---|---|']
+    for name, draft in int8.items():
+      step_bytes = results['targets'][name]['variants']['kernel'][positions[0]]['bytes']
+      lines.append(f"| {name} | {step_bytes / 1e6:.0f} MB | {draft['step_ms']:.2f} ms | "
+                   f"{draft['proposal_ms']:.2f} ms | {draft['gamma']} | {draft['c']:.3f} |")
   return '\n'.join(lines) + '\n'
 
 

@@ -23,7 +23,8 @@ from jaxspec.decoding.baseline import generate  # noqa: E402
 from jaxspec.model import init_params, kernel_layout  # noqa: E402
 
 
-@pytest.mark.parametrize('model', ['target', 'draft_small', 'draft_base'])
+@pytest.mark.parametrize('model', ['target', 'draft_small', 'draft_base', 'target_45m',
+                                   'target_54m'])
 def test_local_configs_equal_the_gin_model_files(model):
   gin.clear_config()
   try:

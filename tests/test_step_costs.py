@@ -5,10 +5,12 @@ analysis against the FLOPs counted by hand from the architecture.
 """
 
 import json
+import math
 import os
 import sys
 
 import jax
+import pytest
 
 from jaxspec import step_costs
 from jaxspec.config import get_config
@@ -63,7 +65,8 @@ def test_script_writes_json_markdown_and_plot(tmp_path):
                           f'--steps_per_call={SETUP.steps_per_call}',
                           f'--source_length={SETUP.source_length}',
                           f'--cache_position={SETUP.cache_position}',
-                          f'--cache_length={SETUP.cache_length}', f'--out={out}'])
+                          f'--cache_length={SETUP.cache_length}', '--int8_gamma=2',
+                          f'--out={out}'])
   results = json.loads((out / 'step_costs.json').read_text())
   assert (results['setup']['source_length'], results['setup']['cache_length']) == (6, 12)
   target = results['targets']['test_tiny_1_1']
@@ -71,6 +74,19 @@ def test_script_writes_json_markdown_and_plot(tmp_path):
   assert set(target['variants']['kernel']) == {'1', '2'}
   assert set(results['drafts']['test_tiny_1_0']['proposal_ms']) == {'t5x', 'transposed',
                                                                      'kernel'}
+  int8 = target['int8_draft']
+  # Timings are not asserted (a tiny draft's proposals take microseconds): only that
+  # each was measured and reported.
+  assert int8['gamma'] == 2 and int8['step_ms'] > 0 and math.isfinite(int8['c'])
   table = (out / 'step_costs.md').read_text()
   assert '| test_tiny_1_1 |' in table and '| test_tiny_1_0 |' in table
+  assert f"| {int8['proposal_ms']:.2f} ms | 2 | {int8['c']:.3f} |" in table
   assert (out / 'v_of_k.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_int8_draft_cost_rejects_what_it_cannot_measure():
+  config = get_config('test_tiny_1_1')
+  with pytest.raises(ValueError, match='gamma must be >= 1, got 0'):
+    step_costs.measure_int8_draft_cost(config, 0, SETUP)
+  with pytest.raises(ValueError, match='cache_length 12 must exceed gamma 12'):
+    step_costs.measure_int8_draft_cost(config, 12, SETUP)
