@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxspec import benchmark
 from jaxspec.config import T5Config
+from jaxspec.decoding.drafter import DraftContext
 from jaxspec.decoding.int8_drafter import Int8Drafter
 from jaxspec.decoding.shared_encoder_drafter import SharedEncoderDrafterWithTarget
 from jaxspec.model import T5, init_params, kernel_layout, rollback
@@ -158,31 +159,78 @@ def measure_step_costs(config: T5Config, positions: Sequence[int],
 
 @dataclasses.dataclass(frozen=True)
 class Int8DraftCost:
-  """A target's int8 draft against the target's one-position step ('kernel' variant)."""
+  """A target's int8 draft against the target's steps ('kernel' variant); seconds are
+  medians over repetitions."""
   gamma: int
-  step_seconds: float  # the target's one-position step, median over repetitions
-  proposal_seconds: float  # one proposal of gamma int8-draft tokens, median
+  step_seconds: float  # the target's one-position step
+  verify_seconds: float  # the target's step over gamma + 1 positions
+  proposal_seconds: float  # one proposal of gamma int8-draft tokens
+  # One proposal followed by one verify step, in a loop: more than the two apart when
+  # the draft's and the target's weights evict each other from the cache.
+  iteration_seconds: float
   c: float  # median over repetitions of proposal / (gamma x step)
 
+  @property
+  def interference_seconds(self) -> float:
+    """What an iteration costs beyond its proposal and verify step timed apart."""
+    return self.iteration_seconds - self.proposal_seconds - self.verify_seconds
 
-# Proposals per timed call; their difference times the proposals without the
+
+# Proposals (or iterations) per timed call; their difference times them without the
 # drafter's setup (the target's encoder pass), which both calls run once.
 INT8_PROPOSAL_CALLS = (2, 10)
+
+
+@functools.partial(jax.jit, static_argnames=('drafter', 'target_config', 'gamma',
+                                             'cache_length', 'cache_position'))
+def _iterations(params, encoder_tokens, tokens, num_iterations, *, drafter,
+                target_config: T5Config, gamma: int, cache_length: int, cache_position: int):
+  """num_iterations (traced) of a greedy proposal of gamma tokens by `drafter` (params
+  {'draft', 'target'}) and the target's step over the last input and the drafts, as
+  speculative decoding alternates them; each iteration is fed the one before."""
+  model = T5(target_config)
+  batch = encoder_tokens.shape[0]
+  state = drafter.init_state(params, encoder_tokens, cache_length)
+  encoded = model.apply(params['target'], encoder_tokens, method=T5.encode)
+  cache = model.apply(params['target'], encoded, encoder_tokens, cache_length,
+                      method=T5.init_cache)
+  keys = jax.random.split(jax.random.PRNGKey(0), batch)
+  length = jnp.full((batch,), cache_position, jnp.int32)
+
+  def iteration(_, carry):
+    state, cache, tokens = carry
+    context = DraftContext(tokens=tokens, length=length, encoder_tokens=encoder_tokens)
+    drafts, _, state = drafter.propose(params, state, context, gamma, SamplingConfig(), keys)
+    verify_tokens = jnp.concatenate([context.last_input()[:, None], drafts], axis=1)
+    logits, cache = model.apply(params['target'], verify_tokens, rollback(cache, length),
+                                method=T5.decode)  # [b, g+1, v]
+    # The next proposal starts from this verify step's last token (x_length), so each
+    # iteration waits for the one before, as in speculative decoding.
+    token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    return state, cache, tokens.at[:, cache_position - 1].set(token)
+
+  return jax.lax.fori_loop(0, num_iterations, iteration, (state, cache, tokens))[2]
 
 
 def measure_int8_draft_cost(config: T5Config, gamma: int,
                             setup: StepCostSetup = StepCostSetup(), params=None,
                             seed: int = 0) -> Int8DraftCost:
-  """c of the target's int8 draft (jaxspec.Int8Drafter: the target's decoder with int8
-  weights over the target's encoding), greedy proposals of gamma tokens against the
-  target's one-position step, both through the few-row kernel, interleaved.
+  """The target's int8 draft (jaxspec.Int8Drafter: the target's decoder with int8
+  weights over the target's encoding) against the target, all through the few-row
+  kernel and interleaved: the target's steps over 1 and gamma + 1 positions, greedy
+  proposals of gamma tokens, and iterations of a proposal and a verify step; c of
+  Theorem 3.8 from the first and the proposals.
 
   params: the target's variables (random ones of `config` by default).
   """
   if gamma < 1:
     raise ValueError(f'gamma must be >= 1, got {gamma}')
-  if setup.cache_length <= gamma:
-    raise ValueError(f'cache_length {setup.cache_length} must exceed gamma {gamma}')
+  if setup.cache_position < 1:
+    raise ValueError(f'cache_position must be >= 1 (the drafts follow a committed token), '
+                     f'got {setup.cache_position}')
+  if setup.cache_length <= setup.cache_position + gamma + 1:
+    raise ValueError(f'cache_length {setup.cache_length} must exceed cache_position '
+                     f'{setup.cache_position} + gamma + 1 = {setup.cache_position + gamma + 1}')
   if params is None:
     params = {'params': init_params(config, jax.random.PRNGKey(seed))['params']}
   target_params, target_config = variant(params, config, 'kernel')
@@ -192,21 +240,30 @@ def measure_int8_draft_cost(config: T5Config, gamma: int,
   encoder_tokens = jnp.ones((setup.batch_size, setup.source_length), jnp.int32)
   prefix = jnp.ones((setup.batch_size, setup.cache_length - gamma), jnp.int32)
   cache = _empty_cache(target_params, target_config, setup)
-  calls = {'step': functools.partial(
-      _decode_steps, target_params, cache, jnp.ones((setup.batch_size, 1), jnp.int32),
-      config=target_config, num_steps=setup.steps_per_call,
-      cache_position=setup.cache_position)}
+  calls = {}
+  for name, positions in (('step', 1), ('verify', gamma + 1)):
+    calls[name] = functools.partial(
+        _decode_steps, target_params, cache, jnp.ones((setup.batch_size, positions), jnp.int32),
+        config=target_config, num_steps=setup.steps_per_call,
+        cache_position=setup.cache_position)
   for count in INT8_PROPOSAL_CALLS:
-    calls[count] = functools.partial(
+    calls['proposals', count] = functools.partial(
         benchmark.propose_calls, both, encoder_tokens, prefix, count, drafter=standalone,
         gamma=gamma, cache_length=setup.cache_length, sampling=SamplingConfig())
+    calls['iterations', count] = functools.partial(
+        _iterations, both, encoder_tokens, prefix, count, drafter=standalone,
+        target_config=target_config, gamma=gamma, cache_length=setup.cache_length,
+        cache_position=setup.cache_position)
   times = interleaved_times(calls, setup.repeats)
   short, long = INT8_PROPOSAL_CALLS
-  proposal = (times[long] - times[short]) / (long - short)  # [repeats]
-  step = times['step'] / setup.steps_per_call
-  return Int8DraftCost(gamma=gamma, step_seconds=float(np.median(step)),
-                       proposal_seconds=float(np.median(proposal)),
-                       c=float(np.median(proposal / (gamma * step))))
+  per_call = lambda name: (times[name, long] - times[name, short]) / (long - short)  # noqa: E731
+  proposal, step = per_call('proposals'), times['step'] / setup.steps_per_call
+  median = lambda x: float(np.median(x))  # noqa: E731
+  return Int8DraftCost(gamma=gamma, step_seconds=median(step),
+                       verify_seconds=median(times['verify'] / setup.steps_per_call),
+                       proposal_seconds=median(proposal),
+                       iteration_seconds=median(per_call('iterations')),
+                       c=median(proposal / (gamma * step)))
 
 
 # ---------------------------------------------------------------------------

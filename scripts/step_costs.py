@@ -103,8 +103,11 @@ def measure(args) -> dict:
                  for variant in VARIANTS}, flush=True)
     if args.int8_gamma > 0:
       int8 = step_costs.measure_int8_draft_cost(get_config(name), args.int8_gamma, setup)
-      targets[name]['int8_draft'] = {'gamma': int8.gamma, 'step_ms': 1e3 * int8.step_seconds,
-                                     'proposal_ms': 1e3 * int8.proposal_seconds, 'c': int8.c}
+      targets[name]['int8_draft'] = {
+          'gamma': int8.gamma, 'step_ms': 1e3 * int8.step_seconds,
+          'verify_ms': 1e3 * int8.verify_seconds, 'proposal_ms': 1e3 * int8.proposal_seconds,
+          'iteration_ms': 1e3 * int8.iteration_seconds,
+          'interference_ms': 1e3 * int8.interference_seconds, 'c': int8.c}
       print(name, 'int8 draft', targets[name]['int8_draft'], flush=True)
   drafts = {}
   for name in _names(args.drafts):
@@ -156,14 +159,19 @@ def markdown(results: dict) -> str:
   if int8:
     lines += ['', "Each target's int8 draft (its own decoder in int8 over its encoding, "
               "jaxspec.Int8Drafter) through the kernel, interleaved with the target's "
-              "one-position step (medians over repetitions); the bytes a float32 step "
-              "accesses by XLA's cost analysis:", '',
-              '| target | bytes a step | 1-position step | int8 proposal | gamma | c |',
-              '|---|---|---|---|---|---|']
+              'steps over 1 and gamma + 1 positions and with iterations of a proposal and '
+              'a verify step in a loop (medians over repetitions; "interference": what an '
+              'iteration costs beyond its proposal and verify step timed apart); the bytes '
+              "a float32 step accesses by XLA's cost analysis:", '',
+              '| target | bytes a step | 1-position step | gamma | int8 proposal | c | '
+              'verify step | iteration | interference |',
+              '|---|---|---|---|---|---|---|---|---|']
     for name, draft in int8.items():
       step_bytes = results['targets'][name]['variants']['kernel'][positions[0]]['bytes']
       lines.append(f"| {name} | {step_bytes / 1e6:.0f} MB | {draft['step_ms']:.2f} ms | "
-                   f"{draft['proposal_ms']:.2f} ms | {draft['gamma']} | {draft['c']:.3f} |")
+                   f"{draft['gamma']} | {draft['proposal_ms']:.2f} ms | {draft['c']:.3f} | "
+                   f"{draft['verify_ms']:.2f} ms | {draft['iteration_ms']:.2f} ms | "
+                   f"{draft['interference_ms']:+.2f} ms |")
   return '\n'.join(lines) + '\n'
 
 

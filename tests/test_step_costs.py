@@ -80,7 +80,10 @@ def test_script_writes_json_markdown_and_plot(tmp_path):
   assert int8['gamma'] == 2 and int8['step_ms'] > 0 and math.isfinite(int8['c'])
   table = (out / 'step_costs.md').read_text()
   assert '| test_tiny_1_1 |' in table and '| test_tiny_1_0 |' in table
-  assert f"| {int8['proposal_ms']:.2f} ms | 2 | {int8['c']:.3f} |" in table
+  assert (f"| 2 | {int8['proposal_ms']:.2f} ms | {int8['c']:.3f} | {int8['verify_ms']:.2f} ms | "
+          f"{int8['iteration_ms']:.2f} ms | {int8['interference_ms']:+.2f} ms |") in table
+  assert math.isclose(int8['interference_ms'],
+                      int8['iteration_ms'] - int8['proposal_ms'] - int8['verify_ms'])
   assert (out / 'v_of_k.png').read_bytes()[:4] == b'\x89PNG'
 
 
@@ -88,5 +91,9 @@ def test_int8_draft_cost_rejects_what_it_cannot_measure():
   config = get_config('test_tiny_1_1')
   with pytest.raises(ValueError, match='gamma must be >= 1, got 0'):
     step_costs.measure_int8_draft_cost(config, 0, SETUP)
-  with pytest.raises(ValueError, match='cache_length 12 must exceed gamma 12'):
-    step_costs.measure_int8_draft_cost(config, 12, SETUP)
+  with pytest.raises(ValueError, match=r'cache_length 12 must exceed cache_position 3 \+ '
+                     r'gamma \+ 1 = 13'):
+    step_costs.measure_int8_draft_cost(config, 9, SETUP)
+  with pytest.raises(ValueError, match='cache_position must be >= 1'):
+    step_costs.measure_int8_draft_cost(
+        config, 2, step_costs.StepCostSetup(cache_position=0, cache_length=12))
