@@ -190,8 +190,9 @@ def _iterations(params, encoder_tokens, tokens, num_iterations, *, drafter,
   speculative decoding alternates them; each iteration is fed the one before."""
   model = T5(target_config)
   batch = encoder_tokens.shape[0]
-  state = drafter.init_state(params, encoder_tokens, cache_length)
   encoded = model.apply(params['target'], encoder_tokens, method=T5.encode)
+  # One encoder pass for both, as in speculative decoding.
+  state = drafter.init_state_from_target(params, encoder_tokens, encoded, cache_length)
   cache = model.apply(params['target'], encoded, encoder_tokens, cache_length,
                       method=T5.init_cache)
   keys = jax.random.split(jax.random.PRNGKey(0), batch)
