@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
@@ -216,18 +217,23 @@ def _pending(batches, writer):
   return [b for b in batches if any(i not in writer.records for i in b)]
 
 
-def _compile_shapes(decode, pending, input_shape):
+def _compile_shapes(decode, prepare, pending, input_shape):
   """Decodes one batch of each input shape among `pending`, compiling outside the timings."""
   first_of_shape = {}
   for indices in pending:
     first_of_shape.setdefault(input_shape(indices), indices)
   for indices in first_of_shape.values():
-    jax.block_until_ready(decode(indices))
+    jax.block_until_ready(decode(prepare(indices)))
 
 
-def _decode_batch(name, decode, indices, examples, vocab, writer, fingerprint):
-  """Decodes one batch, timed, and appends its records (with the run's fingerprint)."""
-  output, seconds = inference.timed(decode, indices)
+def _decode_batch(name, decode, prepare, indices, examples, vocab, writer, fingerprint):
+  """Decodes one batch, timed, and appends its records (with the run's fingerprint).
+
+  The timing covers the decoder's call, from the batch's input arrays (padded to its
+  bucket, with its rows' keys, placed on the devices: `prepare`, done before the clock
+  starts) to its outputs ready on the devices."""
+  batch = jax.block_until_ready(prepare(indices))
+  output, seconds = inference.timed(decode, batch)
   output = jax.device_get(output)
   records = []
   for row, index in enumerate(indices):
@@ -243,8 +249,8 @@ def _decode_batch(name, decode, indices, examples, vocab, writer, fingerprint):
   writer.append(records)
 
 
-def _run_decoders(decode_fns, batches, examples, vocab, writers, fingerprint, input_shape,
-                  interleave: bool):
+def _run_decoders(decode_fns, prepare, batches, examples, vocab, writers, fingerprint,
+                  input_shape, interleave: bool):
   """Decodes the batches each decoder in `writers` has not recorded yet.
 
   interleave: batch by batch, every decoder in turn on the same batch, so a change in
@@ -255,20 +261,20 @@ def _run_decoders(decode_fns, batches, examples, vocab, writers, fingerprint, in
   pending = {name: _pending(batches, writers[name]) for name in names}
   for name in names:
     if pending[name]:
-      _compile_shapes(decode_fns[name], pending[name], input_shape)
+      _compile_shapes(decode_fns[name], prepare, pending[name], input_shape)
   if interleave:
     starts = {name: {b[0] for b in pending[name]} for name in names}  # batches to decode
     union = [b for b in batches if any(b[0] in starts[name] for name in names)]
     for indices in tqdm.tqdm(union, desc=' + '.join(names), unit='batch', file=sys.stderr):
       for name in names:
         if indices[0] in starts[name]:
-          _decode_batch(name, decode_fns[name], indices, examples, vocab, writers[name],
-                        fingerprint)
+          _decode_batch(name, decode_fns[name], prepare, indices, examples, vocab,
+                        writers[name], fingerprint)
     return
   for position, name in enumerate(names):
     for indices in tqdm.tqdm(pending[name], desc=name, unit='batch', position=position,
                              file=sys.stderr):
-      _decode_batch(name, decode_fns[name], indices, examples, vocab, writers[name],
+      _decode_batch(name, decode_fns[name], prepare, indices, examples, vocab, writers[name],
                     fingerprint)
 
 
@@ -682,8 +688,10 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
                            partitioner, target_params) if set(decoders) & set(DRAFTING_DECODERS) else None)
   rng = jax.random.PRNGKey(seed)
 
+  fold_in_rows = jax.jit(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))
+
   def row_keys(indices):  # A row's samples depend on its example, not its batch.
-    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, np.asarray(indices))
+    return fold_in_rows(rng, np.asarray(indices))
 
   def padded(indices):  # A short last batch repeats its last example.
     return list(indices) + [indices[-1]] * (batch_size - len(indices))
@@ -691,32 +699,33 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   def batch_tokens(indices):  # [batch_size, the bucket that holds the batch]
     return inference.trim_to_bucket(inputs[padded(indices)], input_length_buckets)
 
-  def pad_batch(indices):
+  def pad_batch(indices):  # (tokens, row keys) on the devices
     batch = batch_tokens(indices), row_keys(padded(indices))
-    return tuple(map(partitioner.shard_batch, batch)) if partitioner else batch
+    return tuple(map(partitioner.shard_batch, batch)) if partitioner else tuple(
+        map(jnp.asarray, batch))
 
-  decode_fns = {
-      'baseline': lambda idx: generate(
-          target_params, *pad_batch(idx), config=target_model,
+  decode_fns = {  # Each decodes a pad_batch.
+      'baseline': lambda batch: generate(
+          target_params, *batch, config=target_model,
           max_decode_length=max_decode_length, sampling=sampling),
-      'speculative': lambda idx: speculative_generate(
-          target_params, params, *pad_batch(idx), target_config=target_model,
+      'speculative': lambda batch: speculative_generate(
+          target_params, params, *batch, target_config=target_model,
           drafter=drafter, spec=speculative, max_decode_length=max_decode_length,
           sampling=sampling),
-      'beam': lambda idx: generate_beam(
-          target_params, pad_batch(idx)[0], config=target_model, beam=beam,
+      'beam': lambda batch: generate_beam(
+          target_params, batch[0], config=target_model, beam=beam,
           max_decode_length=max_decode_length),
-      'speculative_beam': lambda idx: speculative_beam_generate(
-          target_params, params, pad_batch(idx)[0], target_config=target_model,
+      'speculative_beam': lambda batch: speculative_beam_generate(
+          target_params, params, batch[0], target_config=target_model,
           draft_config=getattr(drafter, 'config', None), beam=beam, spec=speculative_beam,
           max_decode_length=max_decode_length),
   }
   open_writer = inference.ResumableJsonl
   if partitioner:  # Outputs gathered to every host; only process 0 writes them.
     def on_mesh(fn):
-      def decode(idx):
+      def decode(batch):
         with partitioner.activation_sharding():  # Traced with activation constraints.
-          return partitioner.to_host(fn(idx))
+          return partitioner.to_host(fn(batch))
       return decode
     decode_fns = {name: on_mesh(fn) for name, fn in decode_fns.items()}
     open_writer = lambda path: partitioning_lib.process_zero_writer(  # noqa: E731
@@ -726,7 +735,7 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   writers = {name: open_writer(os.path.join(output_dir, f'{name}.jsonl'))
              for name in decoders}
   check_records(writers, examples, fingerprint)
-  _run_decoders(decode_fns, batches, examples, vocab, writers, fingerprint,
+  _run_decoders(decode_fns, pad_batch, batches, examples, vocab, writers, fingerprint,
                 lambda idx: batch_tokens(idx).shape, interleave)
   if view_examples and 'speculative' in decoders:
     traced = lambda idx: speculative_generate(  # noqa: E731
