@@ -8,11 +8,14 @@ Most of the suite's CPU time is XLA:CPU compiling small programs, so for the tes
 - XLA:CPU emits its fusions with the LLVM IR emitters rather than the MLIR fusion
   emitters (--xla_cpu_use_fusion_emitters=false): a speculative decode loop compiles in
   less than half the CPU time. Also a code generation choice only, under the same terms.
+- XLA:CPU compiles each program as one LLVM module (--xla_cpu_parallel_codegen_split_count=1)
+  instead of splitting it for parallel code generation: the parts cost more to make than
+  the two cores win back (tests/test_speculative.py: ~10% less CPU).
 - Compiled programs go to a persistent compilation cache in a fresh directory for the
   run, shared with the scripts the tests start in subprocesses (the environment
   carries it): a program compiled once is loaded, not compiled, by every later test
   and script that needs it.
-Both are set only where the caller has not set them (XLA_FLAGS keeps what it holds).
+These are set only where the caller has not set them (XLA_FLAGS keeps what it holds).
 
 One pytest process compiles hundreds of XLA programs; kept for the whole run, their
 executables used up the process's memory mappings (vm.max_map_count, 65530 here) with
@@ -49,7 +52,8 @@ import tempfile
 import threading
 
 _FAST_COMPILE_FLAGS = {'xla_backend_optimization_level': '0',
-                       'xla_cpu_use_fusion_emitters': 'false'}
+                       'xla_cpu_use_fusion_emitters': 'false',
+                       'xla_cpu_parallel_codegen_split_count': '1'}
 for _name, _value in _FAST_COMPILE_FLAGS.items():
   if _name not in os.environ.get('XLA_FLAGS', ''):
     os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} --{_name}={_value}".strip()
