@@ -28,6 +28,8 @@ import gin_flags  # noqa: E402
 import infer as infer_script  # noqa: E402
 import train as train_script  # noqa: E402
 from jaxspec import inference  # noqa: E402
+from jaxspec.config import EOS_ID  # noqa: E402
+from jaxspec.decoding.common import DecodeOutput  # noqa: E402
 from jaxspec.checkpoints.t5x import load_t5x_checkpoint  # noqa: E402
 
 TINY_MODEL = """
@@ -226,6 +228,34 @@ def test_input_length_buckets_keep_the_outputs_and_compile_each_length_once(
   assert len(lengths) == 8 + len(set(lengths))  # One warm-up decode per length.
   settings = json.loads((tmp_path / 'buckets' / 'settings.json').read_text())
   assert settings['settings']['input_length_buckets'] == [8, 12, 16]
+
+
+def test_a_batch_is_timed_from_its_prepared_arrays_to_its_outputs():
+  """batch_seconds covers the decoder's call only: the batch's preparation (padding, row
+  keys, device placement) runs before the clock starts."""
+  class Writer:
+    def append(self, records):
+      self.records = records
+
+  class Vocab:
+    def decode(self, tokens):
+      return ' '.join(map(str, tokens))
+
+  def prepare(indices):
+    time.sleep(0.5)
+    return np.array([[5, 1]] * len(indices), np.int32), None
+
+  def decode(batch):
+    time.sleep(0.05)
+    tokens = jax.numpy.asarray(batch[0])
+    return DecodeOutput.from_tokens(tokens, jax.numpy.zeros(tokens.shape), EOS_ID)
+
+  writer = Writer()
+  infer_script._decode_batch('baseline', decode, prepare, [0],
+                             [{'inputs': 'a', 'targets': 'b'}], Vocab(), writer, 'f')
+  (record,) = writer.records
+  assert record['tokens'] == [5, 1] and record['prediction'] == '5 1'
+  assert 0.05 <= record['batch_seconds'] < 0.5, record['batch_seconds']
 
 
 def test_decoders_run_interleaved_batch_by_batch_or_one_after_the_other(
