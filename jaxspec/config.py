@@ -52,6 +52,9 @@ class T5Config:
   # Products of a few positions with transposed kernels or the embedding on CPU:
   # 'kernel' (jaxspec.model.cpu_matmul's few-row kernel, where it applies) or 'xla'.
   cpu_matmul: str = CPU_MATMUL_KERNEL
+  # Training only (T5X's dropout_rate): the rate at which a T5 built with
+  # deterministic=False drops activations (jaxspec.model.t5); decoding never drops.
+  dropout_rate: float = dataclasses.field(default=0.0, metadata=OMIT_AT_DEFAULT)
 
   def __post_init__(self):
     if self.mlp_activations not in (('gelu', 'linear'), ('relu',)):
@@ -65,6 +68,8 @@ class T5Config:
     jnp.dtype(self.dtype)
     jnp.dtype(self.param_dtype)
     check_cpu_matmul(self.cpu_matmul)
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f'dropout_rate must be in [0, 1), got {self.dropout_rate}')
 
   @property
   def compute_dtype(self):

@@ -20,6 +20,7 @@ from jaxspec.config import T5Config
 from jaxspec.model import T5
 
 LENGTH_QUANTUM = 16  # Batches up to 4 quanta long are padded to a multiple of this.
+DROPOUT_STREAM = 0x64726f70  # Folded into the run's seed for the dropout keys ('drop').
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,19 +164,36 @@ def token_losses(logits, targets, loss_config: LossConfig, teacher_logits=None):
   return jnp.sum(loss * mask), jnp.sum(mask), jnp.sum(hard * mask)
 
 
+def dropout_key(seed: int, step: int):
+  """The dropout key of training step `step` of a run seeded `seed`: a resumed run drops
+  what an uninterrupted one does."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), DROPOUT_STREAM),
+                            step)
+
+
 @functools.partial(jax.jit, static_argnames=('config', 'optimizer', 'loss_config',
                                              'teacher_config'), donate_argnums=(0, 1))
 def train_step(params, opt_state, batch, *, config: T5Config,
                optimizer: optax.GradientTransformation, loss_config: LossConfig,
-               teacher_params=None, teacher_config: T5Config | None = None):
-  """One optimizer step; returns (params, opt_state, metrics)."""
+               teacher_params=None, teacher_config: T5Config | None = None,
+               dropout_rng=None):
+  """One optimizer step; returns (params, opt_state, metrics).
+
+  dropout_rng: the step's key for dropout (`dropout_key`), needed when
+  config.dropout_rate > 0; the teacher never drops."""
+  if config.dropout_rate > 0 and dropout_rng is None:
+    raise ValueError(f'config.dropout_rate is {config.dropout_rate}: train_step needs the '
+                     "step's dropout_rng (training.dropout_key(seed, step))")
   teacher_logits = None
   if teacher_params is not None:
     teacher_logits = jax.lax.stop_gradient(T5(teacher_config).apply(
         {'params': teacher_params}, batch['inputs'], batch['decoder_inputs']))
+  dropping = config.dropout_rate > 0
 
   def logits_fn(p):
-    return T5(config).apply({'params': p}, batch['inputs'], batch['decoder_inputs'])
+    return T5(config, deterministic=not dropping).apply(
+        {'params': p}, batch['inputs'], batch['decoder_inputs'],
+        rngs={'dropout': dropout_rng} if dropping else None)
 
   return descend(params, opt_state, optimizer, logits_fn, batch['targets'], loss_config,
                  teacher_logits)

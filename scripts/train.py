@@ -157,7 +157,12 @@ def _append_log(checkpoint_dir: str, record: dict):
     f.write(json.dumps(record) + '\n')
 
 
-def _check_distillation_setup(teacher_params, divergence, data_mix, sequence_kd):
+def _check_distillation_setup(teacher_params, divergence, data_mix, sequence_kd,
+                              dropout_rate: float = 0.0):
+  if divergence is not None and dropout_rate > 0:
+    raise ValueError(f'the model has dropout_rate {dropout_rate}, but train.divergence '
+                     'steps (jaxspec.distillation) run it without dropout: set its '
+                     'dropout_rate to 0')
   if teacher_params is None and (divergence is not None or sequence_kd):
     wanted = 'train.divergence' if divergence is not None else 'train.sequence_kd'
     raise ValueError(f'{wanted} needs a teacher: set train.teacher_model and '
@@ -209,7 +214,8 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
   if teacher_checkpoint:
     teacher_params = jax.device_put(t5x_checkpoints.load_t5x_checkpoint(
         teacher_checkpoint, teacher_model, dtype=teacher_model.param_dtype))
-  _check_distillation_setup(teacher_params, divergence, data_mix, sequence_kd)
+  _check_distillation_setup(teacher_params, divergence, data_mix, sequence_kd,
+                            model.dropout_rate)
 
   train_pairs = _encoded_pairs(corpus, 'train', vocab, input_length, target_length,
                                max_train_examples)
@@ -270,7 +276,8 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
     if divergence is None:
       params, opt_state, metrics = training.train_step(
           params, opt_state, batch, config=model, optimizer=tx, loss_config=loss,
-          teacher_params=soft_teacher, teacher_config=teacher_model if soft_teacher else None)
+          teacher_params=soft_teacher, teacher_config=teacher_model if soft_teacher else None,
+          dropout_rng=training.dropout_key(seed, step) if model.dropout_rate > 0 else None)
     else:
       source = distillation.batch_source(data_mix, seed, step)
       sources[source] = sources.get(source, 0) + 1

@@ -69,18 +69,25 @@ train.log_every = 1000
 
 
 def test_training_resumes_to_the_same_parameters(tmp_path):
+  """With dropout on, so a resumed run must also drop what the uninterrupted one did."""
   straight, interrupted = tmp_path / 'straight', tmp_path / 'interrupted'
-  _parse(tmp_path, _train_config(straight), ['train.num_steps=4'])
+  dropout = ['tiny_target/jaxspec.T5Config.dropout_rate = 0.1']
+  _parse(tmp_path, _train_config(straight), ['train.num_steps=4'] + dropout)
   train_script.train()
-  _parse(tmp_path, _train_config(interrupted), ['train.num_steps=2'])
+  _parse(tmp_path, _train_config(interrupted), ['train.num_steps=2'] + dropout)
   train_script.train()
-  _parse(tmp_path, _train_config(interrupted), ['train.num_steps=4'])
+  _parse(tmp_path, _train_config(interrupted), ['train.num_steps=4'] + dropout)
   train_script.train()
   expected = load_t5x_checkpoint(str(straight / 'checkpoint_4'))
   actual = load_t5x_checkpoint(str(interrupted / 'checkpoint_4'))
   jax.tree_util.tree_map(np.testing.assert_array_equal, actual, expected)
   assert (interrupted / 'optimizer_4.msgpack').exists()
   assert (interrupted / 'config.gin').exists()
+
+
+def test_distillation_refuses_a_model_with_dropout():
+  with pytest.raises(ValueError, match='dropout_rate 0.1.*without dropout'):
+    train_script._check_distillation_setup({}, object(), None, False, dropout_rate=0.1)
 
 
 def _infer_config(tmp_path):

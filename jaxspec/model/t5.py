@@ -20,6 +20,7 @@ at slots end_index + 0..k-1 (the flat index).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -67,19 +68,24 @@ def tree_attention_inputs(tree: DecodeTree, end_index, max_length: int):
 class EncoderLayer(nn.Module):
   config: T5Config
   role: str = TARGET  # Whose activation sharding rules apply (jaxspec.model.sharding).
+  deterministic: bool = True  # False: dropout (config.dropout_rate) when training.
 
   @nn.compact
   def __call__(self, x, bias):  # x [b, s, e], bias [b, h, s, s]
+    drop = functools.partial(layers.dropout, self, config=self.config,
+                             deterministic=self.deterministic)
     y = layers.RMSNorm(self.config, name='pre_attention_layer_norm')(x)
-    x = x + layers.MultiHeadAttention(self.config, self.role, name='attention')(y, bias)
+    x = x + drop(layers.MultiHeadAttention(self.config, self.role, name='attention')(y, bias))
     y = layers.RMSNorm(self.config, name='pre_mlp_layer_norm')(x)
-    return x + layers.MlpBlock(self.config, self.role, name='mlp')(y)
+    return x + drop(layers.MlpBlock(self.config, self.role, self.deterministic,
+                                    name='mlp')(y))
 
 
 class Encoder(nn.Module):
   config: T5Config
   embedder: nn.Module
   role: str = TARGET
+  deterministic: bool = True
 
   @nn.compact
   def __call__(self, encoder_tokens):  # [b, s] -> [b, s, e]
@@ -88,15 +94,19 @@ class Encoder(nn.Module):
     bias = layers.RelativePositionBias(True, config, name='relpos_bias')(positions, positions)
     mask = encoder_tokens > 0  # [b, s]
     bias = bias + layers.attention_bias_from_mask(mask[:, None, :] & mask[:, :, None])
-    x = constrain(self.embedder(encoder_tokens), EMBED_AXES, self.role)
+    x = layers.dropout(self, constrain(self.embedder(encoder_tokens), EMBED_AXES, self.role),
+                       config, self.deterministic)
     for i in range(config.num_encoder_layers):
-      x = EncoderLayer(config, self.role, name=f'layers_{i}')(x, bias)
-    return constrain(layers.RMSNorm(config, name='encoder_norm')(x), EMBED_AXES, self.role)
+      x = EncoderLayer(config, self.role, self.deterministic, name=f'layers_{i}')(x, bias)
+    x = layers.dropout(self, layers.RMSNorm(config, name='encoder_norm')(x), config,
+                       self.deterministic)
+    return constrain(x, EMBED_AXES, self.role)
 
 
 class DecoderLayer(nn.Module):
   config: T5Config
   role: str = TARGET
+  deterministic: bool = True
 
   def setup(self):
     config = self.config
@@ -105,7 +115,10 @@ class DecoderLayer(nn.Module):
     self.pre_cross_attention_layer_norm = layers.RMSNorm(config)
     self.encoder_decoder_attention = layers.MultiHeadAttention(config, self.role)
     self.pre_mlp_layer_norm = layers.RMSNorm(config)
-    self.mlp = layers.MlpBlock(config, self.role)
+    self.mlp = layers.MlpBlock(config, self.role, self.deterministic)
+
+  def _dropout(self, x):
+    return layers.dropout(self, x, self.config, self.deterministic)
 
   def cross_key_value(self, encoded):
     """encoded [b, s, e] -> cross-attention keys, values [b, h, d, s] (the cache layout)."""
@@ -125,13 +138,13 @@ class DecoderLayer(nn.Module):
         self_bias, write_positions[:, 0])
     keys, values = (constrain(keys, CACHE_AXES, self.role),
                     constrain(values, CACHE_AXES, self.role))
-    x = x + attended
+    x = x + self._dropout(attended)
     y = self.pre_cross_attention_layer_norm(x)
-    x = x + self.encoder_decoder_attention.attend_cached(
+    x = x + self._dropout(self.encoder_decoder_attention.attend_cached(
         self.encoder_decoder_attention.project_query(y), layer_cache.cross_keys,
-        layer_cache.cross_values, cross_bias)
+        layer_cache.cross_values, cross_bias))
     y = self.pre_mlp_layer_norm(x)
-    x = x + self.mlp(y)
+    x = x + self._dropout(self.mlp(y))
     return x, layer_cache.replace(self_keys=keys, self_values=values)
 
 
@@ -139,11 +152,12 @@ class Decoder(nn.Module):
   config: T5Config
   embedder: nn.Module
   role: str = TARGET
+  deterministic: bool = True
 
   def setup(self):
     config = self.config
     self.relpos_bias = layers.RelativePositionBias(False, config)
-    self.layers = [DecoderLayer(config, self.role, name=f'layers_{i}')
+    self.layers = [DecoderLayer(config, self.role, self.deterministic, name=f'layers_{i}')
                    for i in range(config.num_decoder_layers)]
     self.decoder_norm = layers.RMSNorm(config)
     if not config.logits_via_embedding:
@@ -188,12 +202,13 @@ class Decoder(nn.Module):
     cross_bias = layers.attention_bias_from_mask(
         jnp.broadcast_to(cache.encoder_mask[:, None, :],
                          (cache.batch_size, num_new, cache.encoder_mask.shape[1])))
-    x = constrain(self.embedder(decoder_tokens), EMBED_AXES, self.role)
+    x = layers.dropout(self, constrain(self.embedder(decoder_tokens), EMBED_AXES, self.role),
+                       self.config, self.deterministic)
     new_layer_caches = []
     for layer, layer_cache in zip(self.layers, cache.layers):
       x, layer_cache = layer(x, layer_cache, write_positions, self_bias, cross_bias)
       new_layer_caches.append(layer_cache)
-    x = self.decoder_norm(x)
+    x = layers.dropout(self, self.decoder_norm(x), self.config, self.deterministic)
     if self.config.logits_via_embedding:
       logits = self.embedder.attend(x) / math.sqrt(x.shape[-1])
     else:
@@ -209,11 +224,15 @@ class T5(nn.Module):
   # Whose activation sharding rules apply: 'target' or 'draft' (jaxspec.model.sharding);
   # no effect outside an activation_sharding block.
   role: str = TARGET
+  # False when training: dropout at config.dropout_rate (the 'dropout' rng) on the
+  # embeddings, every sublayer's output, the MLP's hidden activations and the final
+  # norms' outputs, as T5X places it (not on the attention weights). Decoding keeps True.
+  deterministic: bool = True
 
   def setup(self):
     self.token_embedder = layers.Embed(self.config)
-    self.encoder = Encoder(self.config, self.token_embedder, self.role)
-    self.decoder = Decoder(self.config, self.token_embedder, self.role)
+    self.encoder = Encoder(self.config, self.token_embedder, self.role, self.deterministic)
+    self.decoder = Decoder(self.config, self.token_embedder, self.role, self.deterministic)
 
   def encode(self, encoder_tokens):
     """encoder_tokens [b, s] int32 (0 = padding) -> encoded [b, s, e]."""
