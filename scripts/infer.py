@@ -226,13 +226,12 @@ def _compile_shapes(decode, prepare, pending, input_shape):
     jax.block_until_ready(decode(prepare(indices)))
 
 
-def _decode_batch(name, decode, prepare, indices, examples, vocab, writer, fingerprint):
+def _decode_batch(name, decode, batch, indices, examples, vocab, writer, fingerprint):
   """Decodes one batch, timed, and appends its records (with the run's fingerprint).
 
-  The timing covers the decoder's call, from the batch's input arrays (padded to its
-  bucket, with its rows' keys, placed on the devices: `prepare`, done before the clock
-  starts) to its outputs ready on the devices."""
-  batch = jax.block_until_ready(prepare(indices))
+  batch: the input arrays of `indices` as `prepare` makes them (padded to the bucket,
+  the rows' keys, placed on the devices; ready before the clock starts). The timing
+  covers the decoder's call, from those arrays to its outputs ready on the devices."""
   output, seconds = inference.timed(decode, batch)
   output = jax.device_get(output)
   records = []
@@ -266,16 +265,17 @@ def _run_decoders(decode_fns, prepare, batches, examples, vocab, writers, finger
     starts = {name: {b[0] for b in pending[name]} for name in names}  # batches to decode
     union = [b for b in batches if any(b[0] in starts[name] for name in names)]
     for indices in tqdm.tqdm(union, desc=' + '.join(names), unit='batch', file=sys.stderr):
+      batch = jax.block_until_ready(prepare(indices))  # Once, for every decoder.
       for name in names:
         if indices[0] in starts[name]:
-          _decode_batch(name, decode_fns[name], prepare, indices, examples, vocab,
+          _decode_batch(name, decode_fns[name], batch, indices, examples, vocab,
                         writers[name], fingerprint)
     return
   for position, name in enumerate(names):
     for indices in tqdm.tqdm(pending[name], desc=name, unit='batch', position=position,
                              file=sys.stderr):
-      _decode_batch(name, decode_fns[name], prepare, indices, examples, vocab, writers[name],
-                    fingerprint)
+      _decode_batch(name, decode_fns[name], jax.block_until_ready(prepare(indices)),
+                    indices, examples, vocab, writers[name], fingerprint)
 
 
 def task_scores(metric, targets, predictions) -> dict:

@@ -237,18 +237,26 @@ def test_input_length_buckets_keep_the_outputs_and_compile_each_length_once(
   assert settings['settings']['input_length_buckets'] == [8, 12, 16]
 
 
-def test_a_batch_is_timed_from_its_prepared_arrays_to_its_outputs():
+@pytest.mark.parametrize('interleave', [True, False])
+def test_a_batch_is_timed_from_its_prepared_arrays_to_its_outputs(interleave, monkeypatch):
   """batch_seconds covers the decoder's call only: the batch's preparation (padding, row
-  keys, device placement) runs before the clock starts."""
+  keys, device placement) runs before the clock starts; interleaved, once a batch for
+  every decoder."""
   class Writer:
+    def __init__(self):
+      self.records = {}
+
     def append(self, records):
-      self.records = records
+      self.records.update((r['index'], r) for r in records)
 
   class Vocab:
     def decode(self, tokens):
       return ' '.join(map(str, tokens))
 
+  prepared = []
+
   def prepare(indices):
+    prepared.append(list(indices))
     time.sleep(0.5)
     return np.array([[5, 1]] * len(indices), np.int32), None
 
@@ -257,12 +265,20 @@ def test_a_batch_is_timed_from_its_prepared_arrays_to_its_outputs():
     tokens = jax.numpy.asarray(batch[0])
     return DecodeOutput.from_tokens(tokens, jax.numpy.zeros(tokens.shape), EOS_ID)
 
-  writer = Writer()
-  infer_script._decode_batch('baseline', decode, prepare, [0],
-                             [{'inputs': 'a', 'targets': 'b'}], Vocab(), writer, 'f')
-  (record,) = writer.records
-  assert record['tokens'] == [5, 1] and record['prediction'] == '5 1'
-  assert 0.05 <= record['batch_seconds'] < 0.5, record['batch_seconds']
+  # Both decoders return a DecodeOutput here: record the second's as the baseline's.
+  monkeypatch.setitem(infer_script.RECORD_FIELDS, 'speculative',
+                      infer_script.RECORD_FIELDS['baseline'])
+  writers = {'baseline': Writer(), 'speculative': Writer()}
+  infer_script._run_decoders(
+      dict.fromkeys(writers, decode), prepare, [[0]], [{'inputs': 'a', 'targets': 'b'}],
+      Vocab(), writers, 'f', lambda indices: (1, 2), interleave)
+  # One warm-up decode per decoder, then each batch prepared once (interleaved) or once
+  # for each decoder.
+  assert prepared == [[0]] * (3 if interleave else 4)
+  for writer in writers.values():
+    record = writer.records[0]
+    assert record['tokens'] == [5, 1] and record['prediction'] == '5 1'
+    assert 0.05 <= record['batch_seconds'] < 0.5, record['batch_seconds']
 
 
 def test_decoders_run_interleaved_batch_by_batch_or_one_after_the_other(
