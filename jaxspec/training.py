@@ -181,14 +181,14 @@ def train_step(params, opt_state, batch, *, config: T5Config,
 
   dropout_rng: the step's key for dropout (`dropout_key`), needed when
   config.dropout_rate > 0; the teacher never drops."""
-  if config.dropout_rate > 0 and dropout_rng is None:
+  dropping = config.dropout_rate > 0
+  if dropping and dropout_rng is None:
     raise ValueError(f'config.dropout_rate is {config.dropout_rate}: train_step needs the '
                      "step's dropout_rng (training.dropout_key(seed, step))")
   teacher_logits = None
   if teacher_params is not None:
     teacher_logits = jax.lax.stop_gradient(T5(teacher_config).apply(
         {'params': teacher_params}, batch['inputs'], batch['decoder_inputs']))
-  dropping = config.dropout_rate > 0
 
   def logits_fn(p):
     return T5(config, deterministic=not dropping).apply(

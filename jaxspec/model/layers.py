@@ -298,17 +298,6 @@ class MultiHeadAttention(nn.Module):
     return self.attend(self.project_query(x), keys, values, bias)
 
 
-def dropout(module: nn.Module, x, config: T5Config, deterministic: bool):
-  """x with each entry zeroed with probability config.dropout_rate and the rest scaled
-  by 1 / (1 - rate) (as Flax's nn.Dropout), drawn from `module`'s 'dropout' rng; x as
-  it is when deterministic or the rate is 0."""
-  if deterministic or config.dropout_rate == 0.0:
-    return x
-  keep = 1.0 - config.dropout_rate
-  kept = jax.random.bernoulli(module.make_rng('dropout'), keep, x.shape)
-  return jnp.where(kept, x / keep, 0).astype(x.dtype)
-
-
 class MlpBlock(nn.Module):
   """Gated GELU (wi_0, wi_1; T5.1.1) or ReLU (wi; T5 1.0), then wo (dropout on the
   hidden activations when training, as T5X's MlpBlock)."""
@@ -327,7 +316,8 @@ class MlpBlock(nn.Module):
       gate, linear = project_together(x, (dense_in(name='wi_0'), dense_in(name='wi_1')),
                                       config)
       hidden = nn.gelu(gate, approximate=True) * linear
-    hidden = dropout(self, constrain(hidden, MLP_AXES, self.role), config, self.deterministic)
+    hidden = nn.Dropout(config.dropout_rate, deterministic=self.deterministic)(
+        constrain(hidden, MLP_AXES, self.role))
     out = Dense(features=config.emb_dim, kernel_axes=('mlp', 'embed'), config=config,
                 name='wo')(hidden)
     return constrain(out, EMBED_AXES, self.role)

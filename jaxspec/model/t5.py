@@ -20,7 +20,6 @@ at slots end_index + 0..k-1 (the flat index).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import flax.linen as nn
@@ -72,13 +71,13 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, bias):  # x [b, s, e], bias [b, h, s, s]
-    drop = functools.partial(layers.dropout, self, config=self.config,
-                             deterministic=self.deterministic)
+    drop = lambda: nn.Dropout(self.config.dropout_rate,  # noqa: E731
+                              deterministic=self.deterministic)
     y = layers.RMSNorm(self.config, name='pre_attention_layer_norm')(x)
-    x = x + drop(layers.MultiHeadAttention(self.config, self.role, name='attention')(y, bias))
+    x = x + drop()(layers.MultiHeadAttention(self.config, self.role, name='attention')(y, bias))
     y = layers.RMSNorm(self.config, name='pre_mlp_layer_norm')(x)
-    return x + drop(layers.MlpBlock(self.config, self.role, self.deterministic,
-                                    name='mlp')(y))
+    return x + drop()(layers.MlpBlock(self.config, self.role, self.deterministic,
+                                      name='mlp')(y))
 
 
 class Encoder(nn.Module):
@@ -94,12 +93,12 @@ class Encoder(nn.Module):
     bias = layers.RelativePositionBias(True, config, name='relpos_bias')(positions, positions)
     mask = encoder_tokens > 0  # [b, s]
     bias = bias + layers.attention_bias_from_mask(mask[:, None, :] & mask[:, :, None])
-    x = layers.dropout(self, constrain(self.embedder(encoder_tokens), EMBED_AXES, self.role),
-                       config, self.deterministic)
+    drop = lambda: nn.Dropout(config.dropout_rate,  # noqa: E731
+                              deterministic=self.deterministic)
+    x = drop()(constrain(self.embedder(encoder_tokens), EMBED_AXES, self.role))
     for i in range(config.num_encoder_layers):
       x = EncoderLayer(config, self.role, self.deterministic, name=f'layers_{i}')(x, bias)
-    x = layers.dropout(self, layers.RMSNorm(config, name='encoder_norm')(x), config,
-                       self.deterministic)
+    x = drop()(layers.RMSNorm(config, name='encoder_norm')(x))
     return constrain(x, EMBED_AXES, self.role)
 
 
@@ -116,9 +115,8 @@ class DecoderLayer(nn.Module):
     self.encoder_decoder_attention = layers.MultiHeadAttention(config, self.role)
     self.pre_mlp_layer_norm = layers.RMSNorm(config)
     self.mlp = layers.MlpBlock(config, self.role, self.deterministic)
-
-  def _dropout(self, x):
-    return layers.dropout(self, x, self.config, self.deterministic)
+    # One Dropout serves the three sublayers: each call draws its own mask.
+    self.dropout = nn.Dropout(config.dropout_rate, deterministic=self.deterministic)
 
   def cross_key_value(self, encoded):
     """encoded [b, s, e] -> cross-attention keys, values [b, h, d, s] (the cache layout)."""
@@ -138,13 +136,13 @@ class DecoderLayer(nn.Module):
         self_bias, write_positions[:, 0])
     keys, values = (constrain(keys, CACHE_AXES, self.role),
                     constrain(values, CACHE_AXES, self.role))
-    x = x + self._dropout(attended)
+    x = x + self.dropout(attended)
     y = self.pre_cross_attention_layer_norm(x)
-    x = x + self._dropout(self.encoder_decoder_attention.attend_cached(
+    x = x + self.dropout(self.encoder_decoder_attention.attend_cached(
         self.encoder_decoder_attention.project_query(y), layer_cache.cross_keys,
         layer_cache.cross_values, cross_bias))
     y = self.pre_mlp_layer_norm(x)
-    x = x + self._dropout(self.mlp(y))
+    x = x + self.dropout(self.mlp(y))
     return x, layer_cache.replace(self_keys=keys, self_values=values)
 
 
@@ -160,6 +158,7 @@ class Decoder(nn.Module):
     self.layers = [DecoderLayer(config, self.role, self.deterministic, name=f'layers_{i}')
                    for i in range(config.num_decoder_layers)]
     self.decoder_norm = layers.RMSNorm(config)
+    self.dropout = nn.Dropout(config.dropout_rate, deterministic=self.deterministic)
     if not config.logits_via_embedding:
       self.logits_dense = layers.Dense(
           features=config.vocab_size, kernel_axes=('embed', 'vocab'), config=config,
@@ -202,13 +201,12 @@ class Decoder(nn.Module):
     cross_bias = layers.attention_bias_from_mask(
         jnp.broadcast_to(cache.encoder_mask[:, None, :],
                          (cache.batch_size, num_new, cache.encoder_mask.shape[1])))
-    x = layers.dropout(self, constrain(self.embedder(decoder_tokens), EMBED_AXES, self.role),
-                       self.config, self.deterministic)
+    x = self.dropout(constrain(self.embedder(decoder_tokens), EMBED_AXES, self.role))
     new_layer_caches = []
     for layer, layer_cache in zip(self.layers, cache.layers):
       x, layer_cache = layer(x, layer_cache, write_positions, self_bias, cross_bias)
       new_layer_caches.append(layer_cache)
-    x = layers.dropout(self, self.decoder_norm(x), self.config, self.deterministic)
+    x = self.dropout(self.decoder_norm(x))
     if self.config.logits_via_embedding:
       logits = self.embedder.attend(x) / math.sqrt(x.shape[-1])
     else:
