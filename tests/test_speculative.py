@@ -872,3 +872,65 @@ def test_option_values_are_checked():
     SpeculativeConfig(verification='block', lenience=0.5)
   with pytest.raises(ValueError, match='draft_confidence_threshold'):
     SpeculativeConfig(draft_confidence_threshold=1.5)
+
+
+# ----------------------------------------------------------------------------------
+# Shorter verify steps (SpeculativeConfig.verify_lengths).
+
+def _expected_target_positions(trace, gamma, verify_lengths):
+  """The positions the verify steps must have run over, from the trace alone: per
+  iteration the shortest of verify_lengths (else gamma + 1) holding x_length and the
+  longest proposal of a decoding row."""
+  lengths = np.array([*verify_lengths, gamma + 1])
+  iterations = int(np.max(np.sum(trace.committed > 0, axis=1)))
+  needed = np.asarray(trace.num_drafts)[:, :iterations].max(axis=0) + 1  # [iterations]
+  return int(sum(lengths[np.argmax(lengths >= n)] for n in needed))
+
+
+@pytest.mark.parametrize('verification, temperature',
+                         [('token', 0.0), ('token', 1.0), ('coupled', 1.0)])
+def test_shorter_verify_steps_change_nothing_but_the_positions_run(verification, temperature):
+  # Each row alone (a batch of one: its proposals end at its drafted EOS), with the same
+  # key with and without verify_lengths: every output, log-probability, statistic and
+  # trace entry equal bit for bit (the positions a shorter step leaves out were never
+  # proposed), and fewer target positions run.
+  drafter, drafter_params = _drafter_setup('near_copy')
+  spec = functools.partial(SpeculativeConfig, gamma=3, verification=verification)
+
+  def run(row, verify_lengths):
+    return speculative_generate(
+        _target_params(), drafter_params, _encoder_tokens()[row:row + 1],
+        jax.random.PRNGKey(row), target_config=TARGET, drafter=drafter,
+        spec=spec(verify_lengths=verify_lengths), max_decode_length=MAX_LEN,
+        sampling=SamplingConfig(temperature=temperature), record_trace=True)
+
+  positions = {'full': 0, 'short': 0}
+  for row in range(len(ENCODER_LENGTHS)):
+    full, short = run(row, ()), run(row, (2, 3))
+    for name, value in vars(full.output).items():
+      np.testing.assert_array_equal(getattr(short.output, name), value, err_msg=name)
+    for name, value in vars(full.trace).items():
+      np.testing.assert_array_equal(getattr(short.trace, name), value, err_msg=name)
+    for name, value in vars(full.stats).items():
+      if name != 'target_positions':
+        np.testing.assert_array_equal(getattr(short.stats, name), value, err_msg=name)
+    assert int(full.stats.target_positions) == 4 * int(full.stats.target_calls)
+    trace = jax.tree_util.tree_map(np.asarray, short.trace)
+    assert int(short.stats.target_positions) == _expected_target_positions(trace, 3, (2, 3))
+    positions['full'] += int(full.stats.target_positions)
+    positions['short'] += int(short.stats.target_positions)
+    if temperature == 0.0:
+      np.testing.assert_array_equal(short.output.tokens[0], _baseline().tokens[row])
+  assert positions['short'] < positions['full'], positions  # shorter steps ran
+
+
+@pytest.mark.parametrize('lengths', ['2', (1,), (4,), (3, 2), (2, 2), (2.0,)])
+def test_verify_lengths_are_checked(lengths):
+  with pytest.raises(ValueError, match='verify_lengths must be a tuple of increasing integers'):
+    SpeculativeConfig(gamma=3, verify_lengths=lengths)
+  assert SpeculativeConfig(gamma=3, verify_lengths=[2, 3]).verify_lengths == (2, 3)  # gin's lists
+
+
+def test_verify_lengths_refuse_token_trees():
+  with pytest.raises(ValueError, match=r'cannot be combined with verify_lengths \(2,\)'):
+    SpeculativeConfig(gamma=3, num_drafts=2, verify_lengths=(2,))

@@ -11,6 +11,11 @@ Each iteration, for every row independently:
   4. d_1..d_n and the next token are committed (clipped at EOS and the max length);
      both caches are rolled back by index at their next use.
 
+With SpeculativeConfig.verify_lengths, step 2 runs over fewer positions when every
+row's proposal ended early (at a drafted EOS, or an adaptive stop): the shortest listed
+length that holds the longest proposal, chosen per iteration by lax.switch among
+target steps compiled for each length.
+
 With SpeculativeConfig.num_drafts = k > 1 steps 1-3 run on k branches of drafts
 verified in one tree-shaped target step (jaxspec/decoding/multi_draft.py).
 
@@ -30,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import block_verification, validation
-from jaxspec.config import EOS_ID, T5Config
+from jaxspec.config import EOS_ID, OMIT_AT_DEFAULT, T5Config
 from jaxspec.decoding import common, multi_draft
 from jaxspec.decoding.drafter import (DraftContext, Drafter, drafts_through_first,
                                       init_drafter_state, propose_coupled,
@@ -77,6 +82,15 @@ class SpeculativeConfig:
   # choice); other drafters would propose k equal drafts and decode as with k = 1.
   # 1 is Algorithm 1 unchanged. Token-wise, exact only, no adaptive gamma.
   num_drafts: int = 1
+  # Shorter verify steps: lengths k in [2, gamma], increasing. An iteration whose
+  # longest proposal among the decoding rows has n < gamma drafts (a drafted EOS ends a
+  # proposal; so does an adaptive stop) runs the target over the shortest listed k >=
+  # n + 1 positions instead of gamma + 1; each length is a target step compiled of its
+  # own, picked by lax.switch. The output is unchanged: a position's logits depend only
+  # on the positions before it, and the positions left out were never proposed. It pays
+  # where a step's cost grows with its positions (the CPU kernel: 5 rows a pass with
+  # AVX-512), for outputs short against gamma; () always verifies gamma + 1.
+  verify_lengths: tuple[int, ...] = dataclasses.field(default=(), metadata=OMIT_AT_DEFAULT)
 
   def __post_init__(self):
     if self.gamma < 1:
@@ -98,12 +112,21 @@ class SpeculativeConfig:
                        f'gamma), got {self.draft_confidence_threshold}')
     if self.num_drafts < 1:
       raise ValueError(f'num_drafts must be >= 1 (1 is a single draft), got {self.num_drafts}')
+    lengths = self.verify_lengths
+    if isinstance(lengths, list):  # as gin may write it; hashable for jit
+      object.__setattr__(self, 'verify_lengths', lengths := tuple(lengths))
+    if (not isinstance(lengths, tuple) or not all(type(k) is int for k in lengths)
+        or any(not 2 <= k <= self.gamma for k in lengths)
+        or any(a >= b for a, b in zip(lengths, lengths[1:]))):
+      raise ValueError(f'verify_lengths must be a tuple of increasing integers in [2, gamma '
+                       f'{self.gamma}] (positions of a shorter verify step), got {lengths!r}')
     if self.num_drafts > 1:
       unsupported = [name for name, value in (
           (f"verification='{self.verification}'", self.verification != 'token'),
           (f'lenience {self.lenience}', self.lenience != 1.0),
           (f'draft_confidence_threshold {self.draft_confidence_threshold}',
-           self.draft_confidence_threshold > 0.0)) if value]
+           self.draft_confidence_threshold > 0.0),
+          (f'verify_lengths {self.verify_lengths}', bool(self.verify_lengths))) if value]
       if unsupported:
         raise ValueError(f'num_drafts {self.num_drafts} (multi-draft verification) supports '
                          "exact token-wise verification with a fixed gamma only; it cannot "
@@ -126,6 +149,9 @@ class SpeculativeStats:
   # before position g, or draft_confidence_threshold > 0); sum_k k * counts[k] drafts
   # were proposed.
   num_drafted_counts: jax.Array
+  # [] positions the target's verify steps ran over: gamma + 1 a call (1 + k gamma for
+  # a tree of k drafts), fewer where SpeculativeConfig.verify_lengths shortened a call.
+  target_positions: jax.Array
 
   @property
   def alpha(self):
@@ -289,7 +315,8 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
         drafter_params, state.drafter_state, context, gamma, sampling, draft_keys)
     num_drafts = drafts_through_first(drafts == eos_id)  # [b] each row's proposed drafts
 
-  logits, target_cache = _verify(state, target_params, context, drafts, target_config)
+  logits, target_cache, positions = _verify(state, target_params, context, drafts,
+                                            num_drafts, target_config, spec.verify_lengths)
   # [b, g+1, v]; the token-wise verdict at temperature 0 needs only the argmax.
   target_probs = None if _argmax_verdict(spec, sampling) else standardize(logits, sampling)
   verdict = _verdict(verdict_keys, drafts, draft_probs, logits, target_probs, num_drafts,
@@ -297,17 +324,37 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
   nonfinite = _nonfinite_positions(logits, mask_unproposed(draft_probs, num_drafts))
   return _settle(state, drafts, num_drafts, nonfinite,
                  functools.partial(_log_prob_of, target_probs, sampling=sampling), verdict,
-                 drafter_state, target_cache, gamma=gamma, eos_id=eos_id)
+                 drafter_state, target_cache, positions, gamma=gamma, eos_id=eos_id)
 
 
-def _verify(state: _LoopState, target_params, context: DraftContext, drafts,
-            target_config: T5Config):
+def _verify(state: _LoopState, target_params, context: DraftContext, drafts, num_drafts,
+            target_config: T5Config, verify_lengths: tuple[int, ...] = ()):
   """The target's ONE decode step over x_length (the last committed token) and the
-  drafts [b, g], at each row's offset -> logits [b, g+1, v], target cache."""
+  drafts [b, g], at each row's offset -> (logits [b, g+1, v], target cache, positions
+  the step ran over []).
+
+  With verify_lengths the step runs over the shortest listed length k that holds
+  x_length and the longest proposal among the decoding rows (num_drafts [b]), and the
+  logits past k are 0: positions no decoding row proposed, never accepted or committed.
+  """
   verify_tokens = jnp.concatenate([context.last_input()[:, None], drafts], axis=1)
   target_cache = rollback(state.target_cache, state.length)
-  return T5(target_config).apply(target_params, verify_tokens, target_cache,
-                                 method=T5.decode)
+  full = verify_tokens.shape[1]
+
+  def step(length):
+    def run():
+      logits, cache = T5(target_config).apply(target_params, verify_tokens[:, :length],
+                                              target_cache, method=T5.decode)
+      return jnp.pad(logits, ((0, 0), (0, full - length), (0, 0))), cache
+    return run
+
+  if not verify_lengths:
+    return (*step(full)(), jnp.asarray(full, jnp.int32))
+  lengths = (*verify_lengths, full)
+  needed = jnp.max(jnp.where(state.done, 0, num_drafts)) + 1  # [] positions to verify
+  branch = jnp.sum(needed > jnp.asarray(lengths[:-1]))  # the shortest length >= needed
+  logits, cache = jax.lax.switch(branch, [step(length) for length in lengths])
+  return logits, cache, jnp.asarray(lengths, jnp.int32)[branch]
 
 
 def _coupled_iteration(state: _LoopState, target_params, drafter_params, encoder_tokens, *,
@@ -327,7 +374,8 @@ def _coupled_iteration(state: _LoopState, target_params, drafter_params, encoder
       drafter, drafter_params, state.drafter_state, context, gamma, sampling,
       None if keys is None else keys[:, :gamma], draft_keys)
   num_drafts = drafts_through_first(drafts == eos_id)  # [b]
-  logits, target_cache = _verify(state, target_params, context, drafts, target_config)
+  logits, target_cache, positions = _verify(state, target_params, context, drafts,
+                                            num_drafts, target_config, spec.verify_lengths)
   vocab = logits.shape[-1]
   if sampling.is_greedy:
     noise = None
@@ -340,7 +388,7 @@ def _coupled_iteration(state: _LoopState, target_params, drafter_params, encoder
   verdict = coupled_verdict(drafts, coupled_tokens(logits, noise, sampling), num_drafts)
   return _settle(state, drafts, num_drafts, nonfinite_logits(logits),
                  lambda tokens: token_log_probs(logits, tokens, sampling), verdict,
-                 drafter_state, target_cache, gamma=gamma, eos_id=eos_id)
+                 drafter_state, target_cache, positions, gamma=gamma, eos_id=eos_id)
 
 
 def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
@@ -386,16 +434,18 @@ def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, enc
                  jnp.full((batch,), gamma, jnp.int32), nonfinite,
                  functools.partial(_log_prob_of, multi_draft.path_of(target_probs, branch),
                                    sampling=sampling),
-                 verdict, drafter_state, target_cache, gamma=gamma, eos_id=eos_id)
+                 verdict, drafter_state, target_cache, tree_tokens.shape[1], gamma=gamma,
+                 eos_id=eos_id)
 
 
 def _settle(state: _LoopState, drafts, drafted, nonfinite, log_probs_of, verdict,
-            drafter_state, target_cache, *, gamma: int, eos_id: int) -> _LoopState:
+            drafter_state, target_cache, step_positions, *, gamma: int,
+            eos_id: int) -> _LoopState:
   """Commits a verdict and updates the statistics and trace: the shared end of an
   iteration. drafts [b, g] (the chosen branch's with several drafts), drafted [b],
   nonfinite [b, g+1] (p or q not finite there), log_probs_of(candidates [b, g+1]) ->
   their log-probabilities under the target [b, g+1], verdict with num_accepted,
-  next_token [b] and overlap [b, g]."""
+  next_token [b] and overlap [b, g], step_positions [] the target's step ran over."""
   n = verdict.num_accepted  # [b]
   # The verdict used p and q at positions 0..n, and a NaN there passes the accept test
   # (u >= NaN is False). A row keeps the tokens judged before its first non-finite
@@ -422,6 +472,7 @@ def _settle(state: _LoopState, drafts, drafted, nonfinite, log_probs_of, verdict
   accepted = (positions < n[:, None]) & active[:, None]
   stats = stats.replace(
       target_calls=stats.target_calls + 1,
+      target_positions=stats.target_positions + step_positions,
       draft_calls=stats.draft_calls + jnp.max(jnp.where(state.done, 0, drafted)),
       row_target_calls=stats.row_target_calls + active.astype(jnp.int32),
       accepted_per_position=stats.accepted_per_position + jnp.sum(accepted, axis=0),
@@ -467,7 +518,7 @@ def _initial_stats(batch: int, gamma: int) -> SpeculativeStats:
       accepted_per_position=jnp.zeros((gamma,), jnp.int32),
       num_accepted_counts=jnp.zeros((gamma + 1,), jnp.int32),
       overlap_sum=jnp.zeros((), jnp.float32), verified_positions=zero,
-      num_drafted_counts=jnp.zeros((gamma + 1,), jnp.int32))
+      num_drafted_counts=jnp.zeros((gamma + 1,), jnp.int32), target_positions=zero)
 
 
 def _target_cache_length(spec: SpeculativeConfig, max_decode_length: int) -> int:
