@@ -46,8 +46,8 @@ class PairSpec:
 PAIRS = {
     'ende_local': PairSpec('ende', input_length=64, max_decode_length=64),
     'docsum_local': PairSpec('docsum', input_length=256, max_decode_length=128),
-    'ende45m_local': PairSpec('ende', input_length=64, max_decode_length=64,
-                              directory='ende45m', target='local_target_45m',
+    'ende54m_local': PairSpec('ende', input_length=64, max_decode_length=64,
+                              directory='ende54m', target='local_target_54m',
                               default_draft='base'),
 }
 DRAFTS = ('small', 'base')  # checkpoints/<directory>/draft_<draft>, config local_draft_<draft>
@@ -181,8 +181,8 @@ def _as_texts(texts: str | Sequence[str]) -> list[str]:
 
 def load(name: str, draft: str | None = None, *, dtype: str = 'float32',
          checkpoint_dir: str | pathlib.Path | None = None) -> Pair:
-  """The named pair ('ende_local', 'docsum_local' or 'ende45m_local') with the `draft`
-  ('small' or 'base'; None: the pair's default, base for ende45m_local and small for
+  """The named pair ('ende_local', 'docsum_local' or 'ende54m_local') with the `draft`
+  ('small' or 'base'; None: the pair's default, base for ende54m_local and small for
   the others), parameters in `dtype` (float32 on CPU, bfloat16 on TPU/GPU).
 
   checkpoint_dir: the directory holding <directory>/target and

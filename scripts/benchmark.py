@@ -59,7 +59,7 @@ from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
 from jaxspec.sampling import SamplingConfig
 
-DEFAULT_GIN_FILES = ('configs/benchmark/ende45m_local.gin', 'configs/benchmark/ende_local.gin',
+DEFAULT_GIN_FILES = ('configs/benchmark/ende54m_local.gin', 'configs/benchmark/ende_local.gin',
                      'configs/benchmark/docsum_local.gin')
 SECTIONS = ('alpha', 'costs', 'table2', 'sweep', 'batch', 'reference', 'options', 'beam')
 DEFAULT_SECTIONS = SECTIONS[:-1]  # Beam rows on request: they take minutes per task on CPU.

@@ -1,6 +1,6 @@
 """Prints the checkpoint of a training run that is best by a logged metric.
 
-  python scripts/best_checkpoint.py /root/jaxspec_runs/ende45m/target \
+  python scripts/best_checkpoint.py /root/jaxspec_runs/ende54m/target \
       --metric=validation_xent --mode=min
 
 Reads the run's train_log.jsonl (scripts/train.py writes one record per evaluation)

@@ -2,7 +2,7 @@
 decoding, side by side (batch by batch in turn, infer.interleave); or with beam search
 and speculative beam search.
 
-  python scripts/infer.py                                   # configs/infer/ende45m_int8.gin
+  python scripts/infer.py                                   # configs/infer/ende54m_int8.gin
   python scripts/infer.py --gin_file=configs/infer/ende_local.gin \
       --gin.infer.num_examples=100 --gin.TEMPERATURE=1.0
   python scripts/infer.py --input_file=my_text.txt          # one input a line
@@ -11,7 +11,7 @@ and speculative beam search.
   python scripts/infer.py --gin_file=configs/table2/ende_small_t0.gin \
       --gin.infer.target_checkpoint="'gs://BUCKET/xxl/checkpoint_N'" \
       --gin.infer.draft_checkpoint="'gs://BUCKET/small/checkpoint_N'"   # a paper row
-  python scripts/infer.py --gin_file=configs/infer/ende45m_beam.gin \
+  python scripts/infer.py --gin_file=configs/infer/ende54m_beam.gin \
       --gin.NUM_BEAMS=4 --gin.DRAFT_BEAMS=8       # beam and speculative beam search
 
 T5X-style flags (--gin_file, --gin.NAME=VALUE, --gin_bindings, --gin_search_paths).
@@ -63,7 +63,7 @@ from jaxspec.model import abstract_params
 from jaxspec.model.quantization import int8_decoder
 from jaxspec.sampling import SamplingConfig
 
-DEFAULT_GIN_FILE = 'configs/infer/ende45m_int8.gin'  # The pair on which speculation pays.
+DEFAULT_GIN_FILE = 'configs/infer/ende54m_int8.gin'  # The pair on which speculation pays.
 SAMPLING_DECODERS = ('baseline', 'speculative')  # Decode under `sampling`.
 BEAM_DECODERS = ('beam', 'speculative_beam')  # Beam search under `beam`, deterministic.
 DECODERS = SAMPLING_DECODERS + BEAM_DECODERS

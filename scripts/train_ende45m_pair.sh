@@ -19,6 +19,9 @@
 # the second trained the target again (the shipped one, same config and seed) and the
 # encoder-sharing draft over it, and took the first run's base draft on on-policy
 # against it (the shipped base draft). checkpoints/README.md has their figures.
+# Its target and encoder-sharing draft left checkpoints/ on 2026-11-26 for the 54M
+# target (git history has them: `git checkout 0ac29d2 -- checkpoints/ende45m`); its small
+# and base drafts are shipped in checkpoints/ende54m/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-/root/jaxspec_runs/ende45m}

@@ -316,7 +316,7 @@ def test_benchmark_script_writes_every_table(tmp_path, tiny_pair_checkpoints, _u
 
 
 def test_benchmark_runs_the_int8_draft_made_from_the_target(tmp_path):
-  """configs/benchmark/ende45m_int8.gin's route on the TINY target: an Int8Drafter among
+  """configs/benchmark/ende54m_int8.gin's route on the TINY target: an Int8Drafter among
   shared_encoder_drafts, named 'int8 <name>', made from the target's params (no
   checkpoint), decodes greedily as the baseline does."""
   target = dataclasses.replace(get_config('test_tiny_1_1'), vocab_size=8000)  # the corpus'

@@ -17,27 +17,24 @@ sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
 import gin_flags  # noqa: E402
 import jaxspec.configurables  # noqa: E402,F401  (registers the dataclasses with gin)
-from jaxspec.checkpoints import shared_encoder_draft as shared_encoder_draft_checkpoints  # noqa: E402
 from jaxspec.checkpoints.t5x import load_t5x_checkpoint  # noqa: E402
 from jaxspec import inference  # noqa: E402
 from jaxspec.config import get_config  # noqa: E402
 from jaxspec.decoding.drafters import Int8Drafter, SharedEncoderDrafter  # noqa: E402
 
-# Main job (configs/infer/<name>.gin) -> its metric: the default (the 45M target with
+# Main job (configs/infer/<name>.gin) -> its metric: the default (the 54M target with
 # its int8 draft), the docsum target with its int8 draft (ROUGE) and the 9.9M EnDe pair
 # with its trained draft (a T5 draft of its own). configs/infer/docsum_local.gin (the
-# docsum target with its trained draft: the same routes) and ende45m_local.gin are parsed
+# docsum target with its trained draft: the same routes) and ende54m_local.gin are parsed
 # by tests/test_gin_configs.py, their checkpoints loaded below.
-MAIN_JOBS = {'ende_local': 'bleu', 'ende45m_int8': 'bleu', 'docsum_int8': 'rouge1'}
+MAIN_JOBS = {'ende_local': 'bleu', 'ende54m_int8': 'bleu', 'docsum_int8': 'rouge1'}
 # Shipped checkpoint (checkpoints/<path>) -> its gin model (gin/models/) and parameters.
 CHECKPOINTS = {
     f'{pair}/{model}': (f'local_{model}', count)
-    for pair in ('ende', 'docsum')
+    for pair in ('ende', 'docsum', 'ende54m')
     for model, count in (('target', 9.92e6), ('draft_small', 0.81e6), ('draft_base', 2.80e6))
 } | {
-    'ende45m/target': ('local_target_45m', 41.86e6),
-    'ende45m/draft_small': ('local_draft_small', 0.81e6),
-    'ende45m/draft_base': ('local_draft_base', 2.80e6),
+    'ende54m/target': ('local_target_54m', 54.44e6),
 }
 
 
@@ -59,18 +56,6 @@ def test_shipped_checkpoint_loads_under_its_model_definition(path):
   config = gin.query_parameter('%MODEL').scoped_configurable_fn()
   params = load_t5x_checkpoint(os.path.join(REPO, 'checkpoints', path), config)
   assert round(_parameter_count(params) / 1e4) == round(expected / 1e4), _parameter_count(params)
-
-
-def test_shipped_encoder_sharing_draft_loads_over_the_45m_target():
-  gin_flags.parse(['--gin_file=gin/models/local_shared_encoder_draft.gin'])
-  with gin.unlock_config():
-    gin.parse_config('DRAFT = @shared_encoder_draft/jaxspec.T5Config()')
-  config = gin.query_parameter('%DRAFT').scoped_configurable_fn()
-  params = shared_encoder_draft_checkpoints.load(
-      os.path.join(REPO, 'checkpoints', 'ende45m', 'draft_shared_encoder'), config,
-      encoder_dim=512)
-  assert params['encoder_projection']['kernel'].shape == (512, config.emb_dim)
-  assert round(_parameter_count(params) / 1e4) == round(0.71e6 / 1e4)
 
 
 def test_fields_added_later_are_left_out_of_settings_at_their_default():
