@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 
 from jaxspec.checkpoints import t5x as t5x_checkpoints
@@ -25,16 +24,11 @@ def checkpoint_directory(run_dir: str, step: int | None) -> tuple[str, int]:
   """The run's checkpoint_<step> directory (the latest when step is None) and its step."""
   if step is None:
     directory = t5x_checkpoints.find_t5x_checkpoint(run_dir).directory
-  else:
-    directory = os.path.join(run_dir, f'checkpoint_{step}')
-    if not os.path.isdir(directory):
-      steps = sorted(int(m.group(1)) for name in os.listdir(run_dir)
-                     if (m := re.fullmatch(r'checkpoint_(\d+)', name)))
-      raise FileNotFoundError(f'{run_dir} has no checkpoint_{step}; its steps: {steps}')
-  match = re.fullmatch(r'checkpoint_(\d+)', os.path.basename(os.path.normpath(directory)))
-  if match is None:
-    raise ValueError(f'{directory} is not a checkpoint_<step> directory')
-  return directory, int(match.group(1))
+    return directory, int(os.path.basename(os.path.normpath(directory)).split('_')[-1])
+  steps = t5x_checkpoints.checkpoint_steps(run_dir)
+  if step not in steps:
+    raise FileNotFoundError(f'{run_dir} has no checkpoint_{step}; its steps: {steps}')
+  return os.path.join(run_dir, f'checkpoint_{step}'), step
 
 
 def main(argv=None):

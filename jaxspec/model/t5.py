@@ -71,13 +71,13 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, bias):  # x [b, s, e], bias [b, h, s, s]
-    drop = lambda: nn.Dropout(self.config.dropout_rate,  # noqa: E731
-                              deterministic=self.deterministic)
+    # One Dropout serves both sublayers: each call draws its own mask.
+    drop = nn.Dropout(self.config.dropout_rate, deterministic=self.deterministic)
     y = layers.RMSNorm(self.config, name='pre_attention_layer_norm')(x)
-    x = x + drop()(layers.MultiHeadAttention(self.config, self.role, name='attention')(y, bias))
+    x = x + drop(layers.MultiHeadAttention(self.config, self.role, name='attention')(y, bias))
     y = layers.RMSNorm(self.config, name='pre_mlp_layer_norm')(x)
-    return x + drop()(layers.MlpBlock(self.config, self.role, self.deterministic,
-                                      name='mlp')(y))
+    return x + drop(layers.MlpBlock(self.config, self.role, self.deterministic,
+                                    name='mlp')(y))
 
 
 class Encoder(nn.Module):
@@ -93,12 +93,11 @@ class Encoder(nn.Module):
     bias = layers.RelativePositionBias(True, config, name='relpos_bias')(positions, positions)
     mask = encoder_tokens > 0  # [b, s]
     bias = bias + layers.attention_bias_from_mask(mask[:, None, :] & mask[:, :, None])
-    drop = lambda: nn.Dropout(config.dropout_rate,  # noqa: E731
-                              deterministic=self.deterministic)
-    x = drop()(constrain(self.embedder(encoder_tokens), EMBED_AXES, self.role))
+    drop = nn.Dropout(config.dropout_rate, deterministic=self.deterministic)
+    x = drop(constrain(self.embedder(encoder_tokens), EMBED_AXES, self.role))
     for i in range(config.num_encoder_layers):
       x = EncoderLayer(config, self.role, self.deterministic, name=f'layers_{i}')(x, bias)
-    x = drop()(layers.RMSNorm(config, name='encoder_norm')(x))
+    x = drop(layers.RMSNorm(config, name='encoder_norm')(x))
     return constrain(x, EMBED_AXES, self.role)
 
 
