@@ -24,7 +24,7 @@ def checkpoint_directory(run_dir: str, step: int | None) -> tuple[str, int]:
   """The run's checkpoint_<step> directory (the latest when step is None) and its step."""
   if step is None:
     directory = t5x_checkpoints.find_t5x_checkpoint(run_dir).directory
-    return directory, int(os.path.basename(os.path.normpath(directory)).split('_')[-1])
+    return directory, t5x_checkpoints.checkpoint_step(directory)
   steps = t5x_checkpoints.checkpoint_steps(run_dir)
   if step not in steps:
     raise FileNotFoundError(f'{run_dir} has no checkpoint_{step}; its steps: {steps}')

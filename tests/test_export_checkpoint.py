@@ -51,3 +51,13 @@ def test_a_missing_step_is_named_and_the_destination_kept(tmp_path):
   with pytest.raises(FileNotFoundError, match=r'no checkpoint_300; its steps: \[100, 200\]'):
     export_checkpoint.main([str(tmp_path / 'run'), str(destination), '--step=300'])
   assert _exported(destination)[0] == 'checkpoint_100'
+
+
+def test_a_checkpoint_without_a_step_in_its_name_is_refused(tmp_path):
+  # A checkpoint saved straight into a directory of another name carries no step to keep.
+  named = tmp_path / 'run' / 'checkpoint_100'
+  t5x_checkpoints.save_t5x_checkpoint(str(tmp_path / 'run'), {'x': np.zeros(2, np.float32)}, 100)
+  os.rename(named, tmp_path / 'target')
+  with pytest.raises(ValueError, match='is not a checkpoint_<step> directory'):
+    export_checkpoint.main([str(tmp_path / 'target'), str(tmp_path / 'shipped')])
+  assert not (tmp_path / 'shipped').exists()

@@ -265,6 +265,14 @@ def _local_location(directory: str) -> CheckpointLocation | None:
   return None
 
 
+def checkpoint_step(directory) -> int:
+  """The step of a checkpoint_<step> directory; ValueError for a directory of another name."""
+  match = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(os.fspath(directory))))
+  if match is None:
+    raise ValueError(f'{directory} is not a checkpoint_<step> directory')
+  return int(match.group(1))
+
+
 def checkpoint_steps(directory) -> list[int]:
   """The steps of the checkpoint_<step> subdirectories of a local directory, ascending."""
   return sorted(int(match.group(1)) for name in os.listdir(directory)
