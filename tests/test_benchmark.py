@@ -241,6 +241,7 @@ benchmark.reference_examples = 2
 benchmark.options_gamma = 2
 benchmark.options_temperatures = (0.0,)
 benchmark.options_examples = 2
+benchmark.options_num_drafts = (2,)  # k = 3: tests/test_multi_draft.py
 """
 
 
@@ -288,8 +289,8 @@ def test_benchmark_script_writes_every_table(tmp_path, tiny_pair_checkpoints, _u
     assert np.isfinite([row['theorem_3_8_speedup'], row['verify_cost'], row['c']]).all()
   options = {r['option']: r for r in results['options']}
   assert list(options) == ['plain', 'block', 'coupled', 'adaptive', 'block + adaptive',
-                           'multi-draft k=2', 'multi-draft k=3']
-  assert [options[f'multi-draft k={k}']['num_drafts'] for k in (2, 3)] == [2, 3]
+                           'multi-draft k=2']
+  assert options['multi-draft k=2']['num_drafts'] == 2
   # Greedy block verification keeps token-wise verification's prefix exactly.
   assert options['block']['tokens_per_target_call'] == options['plain']['tokens_per_target_call']
   assert options['adaptive']['drafted_per_iteration'] <= 2.0
@@ -313,6 +314,17 @@ def test_benchmark_script_writes_every_table(tmp_path, tiny_pair_checkpoints, _u
   np.testing.assert_array_equal(setup.alpha_inputs[:len(setup.inputs)], setup.inputs)
   with pytest.raises(ValueError, match='held out'):
     benchmark_script.benchmark(alpha_splits=('test', 'train'))
+
+
+def test_verification_options_have_one_multi_draft_row_per_k():
+  specs = measure.verification_option_specs(4, 0.5, (2, 3))
+  assert list(specs) == ['plain', 'block', 'coupled', 'adaptive', 'block + adaptive',
+                         'multi-draft k=2', 'multi-draft k=3']
+  assert [specs[f'multi-draft k={k}'].num_drafts for k in (2, 3)] == [2, 3]
+  assert {spec.gamma for spec in specs.values()} == {4}
+  assert specs['block + adaptive'].verification == 'block'
+  assert specs['block + adaptive'].draft_confidence_threshold == 0.5
+  assert specs['coupled'].verification == 'coupled'
 
 
 def test_benchmark_runs_the_int8_draft_made_from_the_target(tmp_path):

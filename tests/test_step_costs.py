@@ -43,10 +43,11 @@ def test_variants_name_a_layout_and_a_cpu_matmul():
 
 def test_measure_step_costs_reports_every_variant_and_position():
   config = get_config('test_tiny_1_1')
-  costs = step_costs.measure_step_costs(config, [4, 2], setup=SETUP)
+  # Position 2 only (the script's test below runs the same steps again, from the cache).
+  costs = step_costs.measure_step_costs(config, [2], setup=SETUP)
   assert set(costs.ratio) == set(costs.cost) == set(step_costs.VARIANTS)
   for variant in costs.ratio:
-    assert sorted(costs.ratio[variant]) == [1, 2, 4]  # Position 1 is added.
+    assert sorted(costs.ratio[variant]) == [1, 2]  # Position 1 is added.
     assert costs.ratio[variant][1] == 1.0
     assert all(seconds > 0 for seconds in costs.step_seconds[variant].values())
     # XLA's cost analysis of each step against the decoder matmuls counted by hand
