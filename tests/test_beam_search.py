@@ -108,9 +108,10 @@ def test_cache_expanded_by_beam_except_scalars_and_shared_bias():
 
   cache = {'decoder': {'cached_key': jnp.arange(batch, dtype=jnp.float32)[:, None] * jnp.ones(
       (batch, 4)), 'cache_index': jnp.array(0), 'cached_bias': jnp.ones((1, 4))}}
-  with jax.disable_jit():
-    sequences, _ = bs.beam_search(np.zeros((batch, 3), np.int32), cache, tokens_to_logits,
-                                  EOS, num_decodes=beams)
+  # Traced once (the shapes are seen while tracing), compiled as one program.
+  sequences, _ = jax.jit(lambda inputs, cache: bs.beam_search(
+      inputs, cache, tokens_to_logits, EOS, num_decodes=beams))(np.zeros((batch, 3), np.int32),
+                                                                cache)
   assert seen[0] == {'decoder': {'cached_key': (batch * beams, 4), 'cache_index': (),
                                  'cached_bias': (1, 4)}}
   np.testing.assert_array_equal(sequences[:, -1, 0], (np.arange(batch) + 2) % vocab)
