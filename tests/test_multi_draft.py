@@ -344,8 +344,8 @@ def _verdict_samples(num_drafts, try_candidates=None):
   with pytest.MonkeyPatch.context() as patch:
     if try_candidates is not None:
       patch.setattr(multi_draft, '_try_candidates', try_candidates)
-    # One program (eagerly, each operation was a program of its own); `run` is a new
-    # function each call, so it is traced anew and the patch always applies.
+    # One program (run eagerly, each operation would be a program of its own); `run`
+    # is a new function each call, so it is traced anew and the patch always applies.
     tokens, verdict = jax.jit(run)(keys)
   return np.asarray(tokens), np.asarray(p), verdict
 

@@ -227,7 +227,7 @@ def test_nonfinite_logits_flags_nan_and_plus_inf_not_masks(data, vocab):
   assert np.isfinite(probs).all()  # What is not flagged can be sampled from.
 
 
-# One jitted jnp.argmax for every example (a fresh lambda per example compiled 150 times).
+# One jitted jnp.argmax for every example (a lambda made per example compiles per example).
 _jnp_argmax = jax.jit(functools.partial(jnp.argmax, axis=-1))
 
 
