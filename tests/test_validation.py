@@ -72,7 +72,8 @@ def test_nonfinite_rows_are_named_and_counted():
 
 def test_lists_bare_params_and_int_seeds_decode_as_arrays_wrapped_params_and_keys():
   from jaxspec.model import init_params
-  variables = init_params(CONFIG, jax.random.PRNGKey(0))
+  # Wrapped as {'params': tree} (without init's params_axes): the same program as bare.
+  variables = {'params': init_params(CONFIG, jax.random.PRNGKey(0))['params']}
   tokens = np.array([[5, 6, 7, 1], [9, 1, 0, 0]], np.int32)
   sampling = SamplingConfig(temperature=1.0)
   expected = generate(variables, tokens, jax.random.PRNGKey(3), config=CONFIG,
@@ -81,7 +82,7 @@ def test_lists_bare_params_and_int_seeds_decode_as_arrays_wrapped_params_and_key
                        max_decode_length=6, sampling=sampling)
   np.testing.assert_array_equal(as_python.tokens, expected.tokens)
   draft = get_config('test_tiny_1_0')
-  draft_variables = init_params(draft, jax.random.PRNGKey(1))
+  draft_variables = {'params': init_params(draft, jax.random.PRNGKey(1))['params']}
   options = dict(target_config=CONFIG, drafter=T5Drafter(draft),
                  spec=SpeculativeConfig(gamma=2), max_decode_length=6, sampling=sampling)
   expected = speculative_generate(variables, draft_variables, tokens, jax.random.PRNGKey(3),
