@@ -42,6 +42,13 @@ cyclic garbage among frozen objects waits, until the mappings check below, which
 unfreezes before it collects. At the end of the session the surviving objects are
 frozen before pytest's and jax's final garbage collections.
 JAXSPEC_TESTS_NO_GC_FREEZE=1 turns the freezing before each test off.
+
+Random initializations are memoized for the run (memoize_init_params): the suite calls
+jaxspec.model's init_params ~230 times for ~45 distinct (config, key, lengths), each an
+eager forward pass of a few hundred operations (~26 CPU-s of repeats). init_params is a
+deterministic function of its arguments, so a repeat returns the first call's arrays
+(immutable) in fresh containers; a traced key or an unhashable argument calls it as
+before. JAXSPEC_TESTS_FRESH_INIT=1 turns this off.
 """
 
 import atexit
@@ -64,7 +71,11 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.1')
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
+import functools  # noqa: E402
+import inspect  # noqa: E402
+
 import jax  # noqa: E402  (after the environment above)
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 # A plugin may have imported jax before this file set the environment.
@@ -103,6 +114,58 @@ def share_mlir_contexts(uses: int = MLIR_CONTEXT_USES) -> None:
 
 if os.environ.get('JAXSPEC_TESTS_FRESH_MLIR_CONTEXTS', '') in ('', '0'):
   share_mlir_contexts()
+
+def _memo_key(value):
+  """A hashable stand-in for one argument of init_params; TypeError where there is none."""
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError('traced')
+  if isinstance(value, (jax.Array, np.ndarray)):
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+      return ('key', str(jax.random.key_impl(value)), value.shape,
+              np.asarray(jax.random.key_data(value)).tobytes())
+    return ('array', str(value.dtype), value.shape, np.asarray(value).tobytes())
+  hash(value)
+  return value
+
+
+def memoize_init_params(function):
+  """init_params, its results kept per argument values (see above)."""
+  signature = inspect.signature(function)
+  results = {}
+
+  @functools.wraps(function)
+  def memoized(*args, **kwargs):
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    try:
+      key = tuple((name, _memo_key(value)) for name, value in bound.arguments.items())
+    except TypeError:
+      return function(*args, **kwargs)
+    if key not in results:
+      results[key] = function(*args, **kwargs)
+    return jax.tree_util.tree_map(lambda leaf: leaf, results[key])  # fresh containers
+
+  memoized.memoized = True
+  return memoized
+
+
+def memoize_model_initializations() -> None:
+  """Replaces jaxspec.model's init_params functions (T5 and the encoder-sharing draft)
+  with memoized ones, where the modules that tests import them from look them up."""
+  from jaxspec import model  # pylint: disable=g-import-not-at-top
+  from jaxspec.model import shared_encoder_draft, t5  # pylint: disable=g-import-not-at-top
+  if getattr(t5.init_params, 'memoized', False):
+    return
+  t5_init = memoize_init_params(t5.init_params)
+  for module in (t5, model):
+    if getattr(module, 'init_params', None) is not None:
+      module.init_params = t5_init
+  shared_encoder_draft.init_params = memoize_init_params(shared_encoder_draft.init_params)
+
+
+if os.environ.get('JAXSPEC_TESTS_FRESH_INIT', '') in ('', '0'):
+  memoize_model_initializations()
+
 
 # The whole suite (895 tests, 2026-11-26) peaked at 39385 mappings without a drop, so it
 # runs without one (a drop cost ~6 CPU-s and the recompiles after it); 20000 below
