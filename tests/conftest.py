@@ -46,9 +46,9 @@ JAXSPEC_TESTS_NO_GC_FREEZE=1 turns the freezing before each test off.
 Random initializations are memoized for the run (memoize_init_params): the suite calls
 jaxspec.model's init_params ~230 times for ~45 distinct (config, key, lengths), each an
 eager forward pass of a few hundred operations (~26 CPU-s of repeats). init_params is a
-deterministic function of its arguments, so a repeat returns the first call's arrays
-(immutable) in fresh containers; a traced key or an unhashable argument calls it as
-before. JAXSPEC_TESTS_FRESH_INIT=1 turns this off.
+deterministic function of its arguments, so a repeat returns fresh copies of the first
+call's arrays (copies: training donates its parameters); a traced key or an unhashable
+argument calls it as before. JAXSPEC_TESTS_FRESH_INIT=1 turns this off.
 """
 
 import atexit
@@ -141,9 +141,9 @@ def memoize_init_params(function):
       key = tuple((name, _memo_key(value)) for name, value in bound.arguments.items())
     except TypeError:
       return function(*args, **kwargs)
-    if key not in results:
-      results[key] = function(*args, **kwargs)
-    return jax.tree_util.tree_map(lambda leaf: leaf, results[key])  # fresh containers
+    if key not in results:  # Kept on the host: training donates the arrays it is given.
+      results[key] = jax.device_get(function(*args, **kwargs))
+    return jax.device_put(jax.tree_util.tree_map(np.array, results[key]))  # fresh copies
 
   memoized.memoized = True
   return memoized
