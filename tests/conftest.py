@@ -115,6 +115,7 @@ def share_mlir_contexts(uses: int = MLIR_CONTEXT_USES) -> None:
 if os.environ.get('JAXSPEC_TESTS_FRESH_MLIR_CONTEXTS', '') in ('', '0'):
   share_mlir_contexts()
 
+
 def _memo_key(value):
   """A hashable stand-in for one argument of init_params; TypeError where there is none."""
   if isinstance(value, jax.core.Tracer):
@@ -145,7 +146,6 @@ def memoize_init_params(function):
       results[key] = jax.device_get(function(*args, **kwargs))
     return jax.device_put(jax.tree_util.tree_map(np.array, results[key]))  # fresh copies
 
-  memoized.memoized = True
   return memoized
 
 
@@ -154,12 +154,7 @@ def memoize_model_initializations() -> None:
   with memoized ones, where the modules that tests import them from look them up."""
   from jaxspec import model  # pylint: disable=g-import-not-at-top
   from jaxspec.model import shared_encoder_draft, t5  # pylint: disable=g-import-not-at-top
-  if getattr(t5.init_params, 'memoized', False):
-    return
-  t5_init = memoize_init_params(t5.init_params)
-  for module in (t5, model):
-    if getattr(module, 'init_params', None) is not None:
-      module.init_params = t5_init
+  t5.init_params = model.init_params = memoize_init_params(t5.init_params)
   shared_encoder_draft.init_params = memoize_init_params(shared_encoder_draft.init_params)
 
 
