@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from jaxspec import cost_model
+from jaxspec import cost_model, inference
 
 
 def _parse_args(argv):
@@ -51,38 +51,35 @@ def _numbers(text: str, kind):
   return values
 
 
-def _records(path: str) -> list[dict]:
-  """One record a batch (the first row of each): the launcher times batches."""
+def _records(run_dir: str, decoder: str) -> dict[int, dict]:
+  """{example index: record} of one decoder's records, read as the launcher resumes them."""
+  path = os.path.join(run_dir, f'{decoder}.jsonl')
   if not os.path.exists(path):
     raise SystemExit(f'{path} not found: --run_dir must hold a run of scripts/infer.py with '
                      'the baseline and speculative decoders')
-  batches = {}
-  with open(path) as f:
-    for line in f:
-      record = json.loads(line)
-      batches.setdefault(record['batch_start'], []).append(record)
-  return [rows for _, rows in sorted(batches.items())]
+  return inference.ResumableJsonl(path).records
 
 
 def load_run(run_dir: str) -> dict:
-  """{'lengths', 'baseline_ms', 'calls', 'drafts', 'speculative_ms' (per batch), 'summary'}."""
-  baseline = _records(os.path.join(run_dir, 'baseline.jsonl'))
-  speculative = _records(os.path.join(run_dir, 'speculative.jsonl'))
-  if [rows[0]['batch_start'] for rows in baseline] != [rows[0]['batch_start']
-                                                        for rows in speculative]:
+  """{'lengths', 'baseline_ms', 'calls', 'drafts', 'speculative_ms' (per example), 'summary'}."""
+  baseline = _records(run_dir, 'baseline')
+  speculative = _records(run_dir, 'speculative')
+  if set(baseline) != set(speculative):
     raise SystemExit(f'{run_dir}: the baseline and speculative records cover different '
-                     'batches (an interrupted run?); rerun it to completion')
-  if any(len(rows) != 1 for rows in baseline):
+                     'examples (an interrupted run?); rerun it to completion')
+  indices = sorted(baseline)
+  if any(baseline[i]['batch_start'] != i for i in indices):
     raise SystemExit(f'{run_dir}: batches of more than one example; the cost model is per '
                      'example (run with batch size 1)')
   with open(os.path.join(run_dir, 'summary.json')) as f:
     summary = json.load(f)
+  column = lambda records, field: np.array([records[i][field] for i in indices])  # noqa: E731
   return {
-      'lengths': np.array([len(rows[0]['tokens']) for rows in baseline]),
-      'baseline_ms': 1e3 * np.array([rows[0]['batch_seconds'] for rows in baseline]),
-      'calls': np.array([rows[0]['target_calls'] for rows in speculative]),
-      'drafts': np.array([rows[0]['batch_verified_positions'] for rows in speculative]),
-      'speculative_ms': 1e3 * np.array([rows[0]['batch_seconds'] for rows in speculative]),
+      'lengths': np.array([len(baseline[i]['tokens']) for i in indices]),
+      'baseline_ms': 1e3 * column(baseline, 'batch_seconds'),
+      'calls': column(speculative, 'target_calls'),
+      'drafts': column(speculative, 'batch_verified_positions'),
+      'speculative_ms': 1e3 * column(speculative, 'batch_seconds'),
       'summary': summary,
   }
 
