@@ -16,7 +16,7 @@ PAD_ID = 0  # Padding, and the decoder start token.
 EOS_ID = 1
 UNK_ID = 2
 # T5Config.cpu_matmul: jaxspec's few-row CPU kernel where it applies, or XLA's einsum
-# everywhere (jaxspec.model.cpu_matmul).
+# everywhere (jaxspec.model.cpu.matmul).
 CPU_MATMUL_KERNEL = 'kernel'
 CPU_MATMUL_XLA = 'xla'
 CPU_MATMULS = (CPU_MATMUL_KERNEL, CPU_MATMUL_XLA)
@@ -50,7 +50,7 @@ class T5Config:
   # Dtype in which parameters are created (loaded ones keep their own dtype).
   param_dtype: str = 'float32'
   # Products of a few positions with transposed kernels or the embedding on CPU:
-  # 'kernel' (jaxspec.model.cpu_matmul's few-row kernel, where it applies) or 'xla'.
+  # 'kernel' (jaxspec.model.cpu.matmul's few-row kernel, where it applies) or 'xla'.
   cpu_matmul: str = CPU_MATMUL_KERNEL
   # Training only (T5X's dropout_rate): the rate at which a T5 built with
   # deterministic=False drops activations (jaxspec.model.t5); decoding never drops.

@@ -10,10 +10,10 @@ from jaxspec.config import T5Config
 from jaxspec.decoding.beam_search import BeamConfig
 from jaxspec.decoding.speculative import SpeculativeConfig
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig
-from jaxspec.distillation import DataMixConfig, DivergenceConfig
+from jaxspec.training.distillation import DataMixConfig, DivergenceConfig
 from jaxspec.partitioning import PartitioningConfig
 from jaxspec.sampling import SamplingConfig
-from jaxspec.training import LossConfig, OptimizerConfig
+from jaxspec.training.core import LossConfig, OptimizerConfig
 
 for _cls in (T5Config, SamplingConfig, SpeculativeConfig, BeamConfig, SpeculativeBeamConfig,
              OptimizerConfig, LossConfig, PartitioningConfig, DivergenceConfig, DataMixConfig):

@@ -21,15 +21,15 @@ import numpy as np
 from jaxspec.checkpoints import t5x as t5x_checkpoints
 from jaxspec.config import OMIT_AT_DEFAULT, T5Config
 from jaxspec.data import corpora
-from jaxspec.model import kernel_layout
+from jaxspec.model.cpu import layout as kernel_layout
 
 
 def load_model_params(checkpoint: str, config: T5Config, *, for_decoding: bool = False):
   """Variables {'params': ...} from a T5X checkpoint, in config.param_dtype, on device.
 
   for_decoding: kernels in the layout in which the model decodes fastest on this
-  platform (jaxspec.model.kernel_layout: transposed on CPU, where steps over a few
-  positions run through jaxspec's few-row kernel, jaxspec.model.cpu_matmul; a target's
+  platform (jaxspec.model.cpu.layout: transposed on CPU, where steps over a few
+  positions run through jaxspec's few-row kernel, jaxspec.model.cpu.matmul; a target's
   verify step then costs about one step, and a draft's proposal less than in T5X's
   layout, scripts/step_costs.py).
   """

@@ -22,12 +22,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxspec import inference, validation
+from jaxspec import inference, paths, validation
 from jaxspec.config import EOS_ID, T5Config, get_config
 from jaxspec.data import corpora
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.decoding.t5_drafter import T5Drafter
+from jaxspec.decoding.drafters.t5 import T5Drafter
 from jaxspec.sampling import SamplingConfig
 
 
@@ -55,8 +55,8 @@ DECODERS = ('speculative', 'baseline')
 
 
 def default_checkpoint_dir() -> pathlib.Path:
-  """The checkpoints/ directory of the source checkout jaxspec was installed from."""
-  return pathlib.Path(__file__).resolve().parents[1] / 'checkpoints'
+  """$JAXSPEC_CHECKPOINT_DIR, else the checkout's checkpoints/ (jaxspec.paths)."""
+  return paths.checkpoint_dir()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from jaxspec.checkpoints.sharded import load_t5x_checkpoint_sharded
 from jaxspec.config import get_config
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.decoding.t5_drafter import T5Drafter
+from jaxspec.decoding.drafters.t5 import T5Drafter
 from jaxspec.model import T5, init_params
 from jaxspec.sampling import SamplingConfig
 
@@ -199,10 +199,9 @@ GAMMA = 2
 
 def _launcher_modules():
   """gin, scripts/gin_flags.py and scripts/infer.py."""
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'scripts'))
   import gin  # pylint: disable=g-import-not-at-top
-  import gin_flags  # pylint: disable=g-import-not-at-top
-  import infer as infer_script  # pylint: disable=g-import-not-at-top
+  from jaxspec.launch import gin_flags
+  from jaxspec.launch import infer as infer_script
   return gin, gin_flags, infer_script
 
 

@@ -1,9 +1,9 @@
-"""jaxspec.analysis against the numbers printed in Leviathan et al. 2023."""
+"""jaxspec.measure.analysis against the numbers printed in Leviathan et al. 2023."""
 
 import numpy as np
 import pytest
 
-from jaxspec import analysis
+from jaxspec.measure import analysis
 
 # Table 1: (alpha, gamma, operations, speed), with c = c_hat = 0.
 TABLE_1 = [

@@ -10,9 +10,8 @@ import jax
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
-import bench_peers  # noqa: E402
+from jaxspec.launch import bench_peers
 from jaxspec.checkpoints.t5x import save_t5x_checkpoint  # noqa: E402
 from jaxspec.model import init_params  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""jaxspec.benchmark against independent computations, and scripts/benchmark.py end to end."""
+"""jaxspec.measure.benchmark against independent computations, and scripts/benchmark.py end to end."""
 
 import dataclasses
 import json
@@ -12,24 +12,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import benchmark as measure
+from jaxspec.measure import benchmark as measure
 from jaxspec.checkpoints.t5x import save_t5x_checkpoint
 from jaxspec.config import EOS_ID, get_config
 from jaxspec.data import corpora
 from jaxspec.decoding import baseline
 from jaxspec.decoding.beam_search import BeamOutput
 from jaxspec.decoding.speculative_beam import SpeculativeBeamOutput, SpeculativeBeamStats
-from jaxspec.decoding.drafter import DraftContext
+from jaxspec.decoding.drafters.base import DraftContext
 from jaxspec.decoding.drafters import (BigramDrafter, Int8Drafter, PromptLookupDrafter,
                                        T5Drafter, UnigramDrafter)
 from jaxspec.model import T5, init_params
 from jaxspec.sampling import SamplingConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
-import benchmark as benchmark_script  # noqa: E402  (scripts/benchmark.py)
-import gin_flags  # noqa: E402
+from jaxspec.launch import benchmark as benchmark_script
+from jaxspec.launch import gin_flags
 
 CONFIG = get_config('test_tiny_1_1')
 GREEDY, SAMPLED = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)

@@ -6,10 +6,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                'scripts'))
 
-import best_checkpoint  # noqa: E402
+from jaxspec.launch import best_checkpoint
 
 
 def _run(tmp_path, kept, records):

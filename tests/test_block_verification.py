@@ -1,4 +1,4 @@
-"""Block verification (jaxspec/block_verification.py) against exact enumeration.
+"""Block verification (jaxspec/decoding/verification/block.py) against exact enumeration.
 
 On small random autoregressive p and q (tables over every prefix, vocab 3 to 4,
 gamma up to 3), every draft block is enumerated with its probability under q, the
@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import block_verification
-from jaxspec.sampling import SamplingConfig, speculative_verdict
+from jaxspec.decoding.verification import block as block_verification
+from jaxspec.sampling import SamplingConfig
+from jaxspec.decoding.verification.token import speculative_verdict
 
 
 def _random_tables(seed, vocab, gamma, concentration):

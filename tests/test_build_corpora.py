@@ -1,18 +1,14 @@
-"""Tests of the cleaning and extraction rules of scripts/build_corpora.py."""
+"""Tests of the cleaning and extraction rules of jaxspec/launch/build_corpora.py."""
 
 import ast
 import gzip
-import importlib.util
 import json
 import pathlib
 import struct
 
 import pytest
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / 'scripts' / 'build_corpora.py'
-_SPEC = importlib.util.spec_from_file_location('build_corpora', _SCRIPT)
-build = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(build)
+from jaxspec.launch import build_corpora as build
 
 
 def write_mo(path, entries, charset='UTF-8'):

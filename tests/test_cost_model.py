@@ -1,4 +1,4 @@
-"""jaxspec/cost_model.py and scripts/cost_model.py: the fits recover known costs, the
+"""jaxspec/measure/cost_model.py and scripts/cost_model.py: the fits recover known costs, the
 expected calls and drafts match closed forms, a Monte Carlo run of the loop's rules and
 Eq. (1) of the paper, and the required alpha is the least that reaches the speedup."""
 
@@ -10,12 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from jaxspec import analysis, cost_model
+from jaxspec.measure import analysis, cost_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
-import cost_model as cost_model_script  # noqa: E402  (scripts/cost_model.py)
+from jaxspec.launch import cost_model as cost_model_script
 
 BASELINE = cost_model.BaselineCosts(fixed_ms=11.5, per_token_ms=4.7)
 SPECULATIVE = cost_model.SpeculativeCosts(fixed_ms=3.0, per_call_ms=13.0, per_draft_ms=1.35)

@@ -29,8 +29,8 @@ from jaxspec.decoding import common
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.drafters import T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.sampling import (SamplingConfig, coupled_tokens, coupled_verdict, position_noise,
-                              sample_logits)
+from jaxspec.sampling import SamplingConfig, position_noise, sample_logits
+from jaxspec.decoding.verification.coupled import coupled_tokens, coupled_verdict
 
 TARGET, DRAFT, MAX_LEN = spec_tests.TARGET, spec_tests.DRAFT, spec_tests.MAX_LEN
 T1 = SamplingConfig(temperature=1.0)

@@ -1,4 +1,4 @@
-"""jaxspec.model.cpu_attention: the cached-attention CPU kernel against float64 and XLA.
+"""jaxspec.model.cpu.attention: the cached-attention CPU kernel against float64 and XLA.
 
 The decoders' exactness suites run through it too (decode steps on the CPU backend use
 it by default; tests/test_cpu_matmul.py checks that a decode step calls it); here: its
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.model import cpu_attention, cpu_matmul
+from jaxspec.model.cpu import attention as cpu_attention, matmul as cpu_matmul
 from jaxspec.model.layers import NEG_INF
 
 needs_kernel = pytest.mark.skipif(not cpu_matmul.kernel_available(),

@@ -1,4 +1,4 @@
-"""jaxspec.model.cpu_matmul: the few-row CPU kernel against float64 products and XLA.
+"""jaxspec.model.cpu.matmul: the few-row CPU kernel against float64 products and XLA.
 
 The decoders' exactness suites run through the kernel too (cpu_matmul 'kernel' is the
 default and the CPU is the tests' backend); here: the kernel's own arithmetic, the
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxspec.config import T5Config, get_config
-from jaxspec.model import T5, cpu_matmul, init_params, kernel_layout
+from jaxspec.model import T5, init_params
+from jaxspec.model.cpu import matmul as cpu_matmul, layout as kernel_layout
 
 needs_kernel = pytest.mark.skipif(not cpu_matmul.kernel_available(),
                                 reason='the kernel needs x86-64 with AVX2 + FMA and a C++ compiler')
@@ -108,7 +109,7 @@ def _tiny_decode_step(setting=cpu_matmul.KERNEL):
 
 
 def test_decode_step_uses_the_kernels_and_agrees_with_xla():
-  """Its products and its attention (jaxspec.model.cpu_attention) run through the kernels."""
+  """Its products and its attention (jaxspec.model.cpu.attention) run through the kernels."""
   params, kernel_step = _tiny_decode_step(cpu_matmul.KERNEL)
   _, xla_step = _tiny_decode_step(cpu_matmul.XLA)
   kernel_jaxpr = str(jax.make_jaxpr(lambda: kernel_step(params))())
@@ -163,7 +164,7 @@ def test_the_instruction_set_follows_the_cpu_and_the_environment(monkeypatch):
 _OTHER_BUILD_CHECK = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
-from jaxspec.model import cpu_matmul
+from jaxspec.model.cpu import matmul as cpu_matmul
 assert cpu_matmul.kernel_isa() == 'avx2' and cpu_matmul.kernel_available()
 rng = np.random.default_rng(5)
 x = rng.standard_normal((16, 260)).astype(np.float32)
@@ -178,7 +179,7 @@ scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
 assert np.all(np.abs(singles - x.astype(np.float64) @ w.astype(np.float64).T)
               <= 1e-6 * scale + 1e-6)
 # The attention kernel keeps its exactness property in this build too.
-from jaxspec.model import cpu_attention
+from jaxspec.model.cpu import attention as cpu_attention
 q = jnp.asarray(rng.standard_normal((1, 9, 4, 20)).astype(np.float32))
 k, v = (jnp.asarray(rng.standard_normal((1, 4, 20, 40)).astype(np.float32)) for _ in 'kv')
 seen = np.arange(40)[None, :] <= 11 + np.arange(9)[:, None]

@@ -1,4 +1,4 @@
-"""The view of a decode (jaxspec/decode_view.py): steps from a trace, terminal and HTML.
+"""The view of a decode (jaxspec/measure/decode_view.py): steps from a trace, terminal and HTML.
 
 A hand-made trace covers every case (a rejection, a full accept, a row that drafted
 fewer than gamma, EOS inside the accepted drafts, a finished row); a real sampled decode
@@ -13,7 +13,7 @@ import types
 import jax
 import numpy as np
 
-from jaxspec import decode_view
+from jaxspec.measure import decode_view
 from jaxspec.config import EOS_ID, get_config
 from jaxspec.decoding.drafters import T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate

@@ -1,4 +1,4 @@
-"""jaxspec.distillation: divergences against numpy and analytic gradients, on-policy
+"""jaxspec.training.distillation: divergences against numpy and analytic gradients, on-policy
 batches against direct decodes of the right model, training that raises the measured
 alpha, and scripts/train.py's distillation runs resuming exactly."""
 
@@ -13,20 +13,21 @@ import numpy as np
 import pytest
 from scipy.special import rel_entr
 
-from jaxspec import benchmark, distillation, training
+from jaxspec.measure import benchmark
+from jaxspec.training import distillation, core as training
 from jaxspec.checkpoints.t5x import load_t5x_checkpoint, save_t5x_checkpoint
 from jaxspec.config import EOS_ID, get_config
 from jaxspec.data import corpora
 from jaxspec.decoding import baseline
-from jaxspec.decoding.t5_drafter import T5Drafter
+from jaxspec.decoding.drafters.t5 import T5Drafter
 from jaxspec.model import T5, init_params
-from jaxspec.sampling import SamplingConfig, acceptance_rate
+from jaxspec.sampling import SamplingConfig
+from jaxspec.decoding.verification.token import acceptance_rate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
-import gin_flags  # noqa: E402
-import train as train_script  # noqa: E402
+from jaxspec.launch import gin_flags
+from jaxspec.launch import train as train_script
 
 TEACHER = get_config('test_tiny_1_1')  # vocab 64
 DRAFT = TEACHER.replace(emb_dim=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,

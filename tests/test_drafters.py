@@ -293,7 +293,7 @@ def chain_decode(tokens, cache):
 
 
 def chain_proposal(decoded_rows, gamma, eos_id, sampling=SamplingConfig(), seed=0):
-  from jaxspec.decoding.t5_drafter import propose_from_decoder
+  from jaxspec.decoding.drafters.t5 import propose_from_decoder
   from jaxspec.model import DecoderCache
   context = make_context([[5]] * len(decoded_rows), decoded_rows).replace(eos_id=eos_id)
   cache = DecoderCache(layers=(), encoder_mask=jnp.ones((len(decoded_rows), 1), bool),
@@ -305,7 +305,7 @@ def chain_proposal(decoded_rows, gamma, eos_id, sampling=SamplingConfig(), seed=
 
 
 def test_proposal_steps_end_once_every_row_drafted_eos():
-  from jaxspec.decoding.drafter import drafts_through_first
+  from jaxspec.decoding.drafters.base import drafts_through_first
   gamma = 5
   # Row 0 drafts EOS first; row 1 drafts 2, then EOS; the steps end after the second.
   tokens, probs, end_index, _ = chain_proposal([[4, 2], [3]], gamma, eos_id=CHAIN_EOS)

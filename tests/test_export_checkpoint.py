@@ -8,10 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                'scripts'))
 
-import export_checkpoint  # noqa: E402
+from jaxspec.launch import export_checkpoint
 from jaxspec.checkpoints import t5x as t5x_checkpoints  # noqa: E402
 
 

@@ -12,15 +12,14 @@ import gin
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / 'scripts'))
 
 # The launchers register the gin configurables the files bind (infer, train, ...).
-LAUNCHERS = sorted(p.stem for p in (REPO / 'scripts').glob('*.py')
+LAUNCHERS = sorted(p.stem for p in (REPO / 'jaxspec' / 'launch').glob('*.py')
                    if '@gin.configurable' in p.read_text())
 for _launcher in LAUNCHERS:
-  importlib.import_module(_launcher)
+  importlib.import_module(f'jaxspec.launch.{_launcher}')
 
-import gin_flags  # noqa: E402
+from jaxspec.launch import gin_flags
 from jaxspec.config import get_config  # noqa: E402
 from jaxspec.model import abstract_params  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""jaxspec.model.quantization and jaxspec.decoding.int8_drafter: the target's own decoder
+"""jaxspec.model.quantization and jaxspec.decoding.drafters.int8: the target's own decoder
 in int8 as a draft. Exact decoding with it rests on the verifier like every drafter;
 here: the quantization's arithmetic, the draft's params and cache, its agreement with
 the target, and greedy speculative decoding with it token for token the baseline's."""
@@ -12,11 +12,12 @@ import pytest
 
 from jaxspec.config import get_config
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafter import init_drafter_state
+from jaxspec.decoding.drafters.base import init_drafter_state
 from jaxspec.decoding.drafters import (Int8Drafter, SharedEncoderDrafter,
                                        SharedEncoderDrafterWithTarget)
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.model import T5, init_params, kernel_layout
+from jaxspec.model import T5, init_params
+from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.model.quantization import dequantize_rows, int8_decoder, quantize_rows
 from jaxspec.model.shared_encoder_draft import SharedEncoderDraft, from_target_decoder
 from jaxspec.sampling import SamplingConfig

@@ -1,4 +1,4 @@
-"""Kernels in T5X's layout and transposed (jaxspec.model.kernel_layout).
+"""Kernels in T5X's layout and transposed (jaxspec.model.cpu.layout).
 
 - Conversion: every Dense kernel (and only kernels) changes key and orientation, the
   axis names of params_axes are reversed, both directions are exact and idempotent.
@@ -25,8 +25,9 @@ from jaxspec.config import get_config
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.drafters import T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.model import T5, init_params, kernel_layout
-from jaxspec.model.cpu_matmul import TRANSPOSED_CONTRACTION_ROWS
+from jaxspec.model import T5, init_params
+from jaxspec.model.cpu import layout as kernel_layout
+from jaxspec.model.cpu.matmul import TRANSPOSED_CONTRACTION_ROWS
 from jaxspec.sampling import SamplingConfig
 
 CONFIGS = ('test_tiny_1_1', 'test_tiny_1_0')

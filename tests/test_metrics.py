@@ -1,10 +1,10 @@
-"""jaxspec.metrics: ROUGE as the plain mean over examples (equal predictions score
+"""jaxspec.measure.metrics: ROUGE as the plain mean over examples (equal predictions score
 equally, run after run), BLEU as sacrebleu's corpus BLEU."""
 
 import pytest
 from rouge_score import rouge_scorer
 
-from jaxspec import metrics
+from jaxspec.measure import metrics
 
 TARGETS = ['Return the number of items.', 'Open the file and read it.', 'Close the socket.',
            'Parse a date string. Return a datetime.', 'Yield the lines of a file.']

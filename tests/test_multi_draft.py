@@ -1,4 +1,4 @@
-"""Multi-draft verification (SpeculativeConfig.num_drafts, jaxspec/decoding/multi_draft.py).
+"""Multi-draft verification (SpeculativeConfig.num_drafts, jaxspec/decoding/verification/tree.py).
 
 - Tree step: each branch's logits equal decoding that branch alone; positions by depth
   matter (flat positions give other logits); after compaction and rollback the cache
@@ -23,12 +23,13 @@ import numpy as np
 import pytest
 
 import test_speculative as spec_tests  # tests/test_speculative.py: models, enumeration
-from jaxspec.decoding import multi_draft
+from jaxspec.decoding.verification import tree as multi_draft
 from jaxspec.decoding.drafters import BigramDrafter, DraftContext, T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.decoding.t5_drafter import propose_top_branches_from_decoder
+from jaxspec.decoding.drafters.t5 import propose_top_branches_from_decoder
 from jaxspec.model import T5, DecodeTree, DecoderCache, init_params, repeat_rows, rollback
-from jaxspec.sampling import SamplingConfig, residual_distribution
+from jaxspec.sampling import SamplingConfig
+from jaxspec.decoding.verification.token import residual_distribution
 
 TARGET, DRAFT, MAX_LEN = spec_tests.TARGET, spec_tests.DRAFT, spec_tests.MAX_LEN
 SMALL = spec_tests.SMALL

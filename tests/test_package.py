@@ -16,7 +16,7 @@ def test_decoding_core_imports_without_tensorflow():
   code = ('import sys\n'
           'import jaxspec.model, jaxspec.sampling, jaxspec.decoding.baseline\n'
           'import jaxspec.decoding.speculative, jaxspec.decoding.drafters\n'
-          'import jaxspec.checkpoints, jaxspec.checkpoints.t5x, jaxspec.analysis\n'
+          'import jaxspec.checkpoints, jaxspec.checkpoints.t5x, jaxspec.measure.analysis\n'
           'bad = [m for m in ("tensorflow", "seqio", "torch", "t5x") if m in sys.modules]\n'
           'assert not bad, bad\n')
   subprocess.run([sys.executable, '-c', code], check=True)

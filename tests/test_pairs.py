@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
-import gin_flags  # noqa: E402
+from jaxspec.launch import gin_flags
 import jaxspec.configurables  # noqa: E402,F401
 from jaxspec import get_config, pairs  # noqa: E402
 from jaxspec.checkpoints.t5x import load_t5x_checkpoint  # noqa: E402
 from jaxspec.config import EOS_ID  # noqa: E402
 from jaxspec.data import corpora  # noqa: E402
 from jaxspec.decoding.baseline import generate  # noqa: E402
-from jaxspec.model import init_params, kernel_layout  # noqa: E402
+from jaxspec.model import init_params  # noqa: E402
+from jaxspec.model.cpu import layout as kernel_layout
 
 
 @pytest.mark.parametrize('model', ['target', 'draft_small', 'draft_base', 'target_45m',

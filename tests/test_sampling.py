@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 
 from jaxspec import sampling
+from jaxspec.decoding.verification import token as token_rule
 from jaxspec.sampling import SamplingConfig
 
 SIGNIFICANCE = 1e-3
 NORMAL_UPPER = 3.090232306167813  # Phi^-1(1 - SIGNIFICANCE), one-sided.
 NORMAL_TWO_SIDED = 3.2905267314918945  # Phi^-1(1 - SIGNIFICANCE / 2).
 
-verdict_jit = jax.jit(sampling.speculative_verdict, static_argnames='lenience')
+verdict_jit = jax.jit(token_rule.speculative_verdict, static_argnames='lenience')
 
 
 # ----------------------------------------------------------------------------
@@ -329,12 +330,12 @@ def test_acceptance_probability_values():
   p = jnp.array([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]])  # [1, 2, 3]
   q = jnp.array([[[0.25, 0.6, 0.15], [0.0, 0.5, 0.5]]])
   tokens = jnp.array([[1, 2]])
-  np.testing.assert_allclose(sampling.acceptance_probability(p, q, tokens), [[0.5, 1.0]])
+  np.testing.assert_allclose(token_rule.acceptance_probability(p, q, tokens), [[0.5, 1.0]])
   # Lenience l: min(1, p / (l q)).
-  np.testing.assert_allclose(sampling.acceptance_probability(p, q, tokens, lenience=0.6),
+  np.testing.assert_allclose(token_rule.acceptance_probability(p, q, tokens, lenience=0.6),
                              [[0.3 / 0.36, 1.0]], rtol=1e-6)
   all_tokens = jnp.arange(3)[None]  # Every token as a draft at one position.
-  accept = sampling.acceptance_probability(
+  accept = token_rule.acceptance_probability(
       jnp.broadcast_to(p[:, :1], (1, 3, 3)), jnp.broadcast_to(q[:, :1], (1, 3, 3)), all_tokens)
   np.testing.assert_allclose(accept, [[1.0, 0.5, 1.0]])
 
@@ -344,11 +345,11 @@ def test_acceptance_probability_greedy_lenience():
   raw = jnp.broadcast_to(jnp.array([0.5, 0.3, 0.2]), (1, 4, 3))
   one_hot = jax.nn.one_hot(jnp.zeros((1, 4), jnp.int32), 3)
   tokens = jnp.array([[1, 2, 0, 1]])
-  got = sampling.acceptance_probability(one_hot, one_hot, tokens, lenience=0.5,
+  got = token_rule.acceptance_probability(one_hot, one_hot, tokens, lenience=0.5,
                                         raw_target_probs=raw)
   np.testing.assert_array_equal(got, [[1.0, 0.0, 1.0, 1.0]])  # 0.3 >= 0.25; 0.2 < 0.25.
   # At the boundary raw_p(x) == l * max(raw_p) the draft is accepted.
-  got = sampling.acceptance_probability(one_hot[:, :1], one_hot[:, :1], jnp.array([[1]]),
+  got = token_rule.acceptance_probability(one_hot[:, :1], one_hot[:, :1], jnp.array([[1]]),
                                         lenience=0.6, raw_target_probs=raw[:, :1])
   np.testing.assert_array_equal(got, [[1.0]])
 
@@ -356,13 +357,13 @@ def test_acceptance_probability_greedy_lenience():
 def test_residual_distribution_values():
   p = jnp.array([0.5, 0.3, 0.2])
   q = jnp.array([0.2, 0.5, 0.3])
-  np.testing.assert_allclose(sampling.residual_distribution(p, q), [1, 0, 0])
-  np.testing.assert_allclose(sampling.residual_distribution(p, q, 0.5), [0.8, 0.1, 0.1],
+  np.testing.assert_allclose(token_rule.residual_distribution(p, q), [1, 0, 0])
+  np.testing.assert_allclose(token_rule.residual_distribution(p, q, 0.5), [0.8, 0.1, 0.1],
                              rtol=1e-6)
   # p == q leaves no residual mass: fall back to p (rejection has probability 0).
-  np.testing.assert_array_equal(sampling.residual_distribution(p, p), p)
+  np.testing.assert_array_equal(token_rule.residual_distribution(p, p), p)
   # q = 0 (the bonus position) gives p.
-  np.testing.assert_allclose(sampling.residual_distribution(p, jnp.zeros(3)), p)
+  np.testing.assert_allclose(token_rule.residual_distribution(p, jnp.zeros(3)), p)
 
 
 # ----------------------------------------------------------------------------
@@ -467,13 +468,13 @@ def speculative_terms(p, q, lenience):
   """p, q [v] -> a(x) for every token x as the draft [v], the residual [v], and a
   16-row verdict (drafted from q, p at both positions)."""
   vocab, batch = p.shape[-1], 16
-  accept = sampling.acceptance_probability(
+  accept = token_rule.acceptance_probability(
       jnp.broadcast_to(p, (1, vocab, vocab)), jnp.broadcast_to(q, (1, vocab, vocab)),
       jnp.arange(vocab)[None], lenience)[0]
-  residual = sampling.residual_distribution(p, q, lenience)
+  residual = token_rule.residual_distribution(p, q, lenience)
   draft_rng, verdict_rng = jax.random.split(jax.random.key(0))
   drafts = sampling.sample_probs(draft_rng, jnp.broadcast_to(q, (batch, vocab)))[:, None]
-  verdict = sampling.speculative_verdict(
+  verdict = token_rule.speculative_verdict(
       verdict_rng, drafts, jnp.broadcast_to(q, (batch, 1, vocab)),
       jnp.broadcast_to(p, (batch, 2, vocab)), lenience)
   return accept, residual, drafts[:, 0], verdict
@@ -770,10 +771,10 @@ def test_greedy_verdict_equals_speculative_verdict_at_temperature_zero(seed, one
   num_drafts = (jax.random.randint(keys[4], (batch,), 1, gamma + 1) if with_num_drafts
                 else None)
   greedy = SamplingConfig(temperature=0.0)
-  expected = sampling.speculative_verdict(
+  expected = token_rule.speculative_verdict(
       jax.random.PRNGKey(seed + 100), drafts, draft_probs,
       sampling.standardize(logits, greedy), num_drafts=num_drafts)
-  shortcut = sampling.greedy_verdict(drafts, draft_probs, logits, num_drafts)
+  shortcut = token_rule.greedy_verdict(drafts, draft_probs, logits, num_drafts)
   np.testing.assert_array_equal(shortcut.num_accepted, expected.num_accepted)
   np.testing.assert_array_equal(shortcut.next_token, expected.next_token)
   np.testing.assert_allclose(shortcut.overlap, expected.overlap, atol=1e-6)

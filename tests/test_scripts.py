@@ -22,11 +22,10 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
-import gin_flags  # noqa: E402
-import infer as infer_script  # noqa: E402
-import train as train_script  # noqa: E402
+from jaxspec.launch import gin_flags
+from jaxspec.launch import infer as infer_script
+from jaxspec.launch import train as train_script
 from jaxspec import inference  # noqa: E402
 from jaxspec.config import EOS_ID  # noqa: E402
 from jaxspec.decoding.common import DecodeOutput  # noqa: E402

@@ -12,7 +12,7 @@ import types
 import gin
 import pytest
 
-from jaxspec import metrics
+from jaxspec.measure import metrics
 from jaxspec.data import corpora, seqio_tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,9 +148,8 @@ def test_local_task_vocabulary_and_metrics(seqio):
 
 def test_infer_reads_a_local_seqio_task_as_the_corpus(seqio, tmp_path, tiny_pair_checkpoints):
   """The launcher over jaxspec_ende_local decodes exactly what it decodes over 'ende'."""
-  sys.path.insert(0, os.path.join(REPO, 'scripts'))
-  import gin_flags  # pylint: disable=g-import-not-at-top
-  import infer as infer_script  # pylint: disable=g-import-not-at-top
+  from jaxspec.launch import gin_flags
+  from jaxspec.launch import infer as infer_script
   from jaxspec.config import T5Config  # pylint: disable=g-import-not-at-top
   # gin/models/tiny_pair.gin's models; their random checkpoints from tests/conftest.py.
   target = T5Config(vocab_size=8000, emb_dim=16, num_heads=2, head_dim=8,

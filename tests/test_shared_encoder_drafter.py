@@ -29,11 +29,9 @@ import numpy as np
 import pytest
 
 import test_speculative as spec_tests  # tests/test_speculative.py: enumeration helpers
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                'scripts'))
-import gin_flags  # noqa: E402
-import infer as infer_script  # noqa: E402
-from jaxspec import benchmark as measure
+from jaxspec.launch import gin_flags
+from jaxspec.launch import infer as infer_script
+from jaxspec.measure import benchmark as measure
 from jaxspec.checkpoints import shared_encoder_draft as draft_checkpoints
 from jaxspec.checkpoints.t5x import save_t5x_checkpoint
 from jaxspec.config import EOS_ID, get_config
@@ -41,7 +39,8 @@ from jaxspec.decoding import speculative
 from jaxspec.decoding.drafters import (DraftContext, SharedEncoderDrafter,
                                        SharedEncoderDrafterWithTarget, T5Drafter)
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.model import T5, abstract_params, init_params, kernel_layout, rollback
+from jaxspec.model import T5, abstract_params, init_params, rollback
+from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.model import shared_encoder_draft as draft_model
 from jaxspec.sampling import SamplingConfig
 

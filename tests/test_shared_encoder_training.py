@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec import shared_encoder_training, training
+from jaxspec.training import shared_encoder as shared_encoder_training, core as training
 from jaxspec.checkpoints import shared_encoder_draft as draft_checkpoints
 from jaxspec.checkpoints.t5x import save_t5x_checkpoint
 from jaxspec.config import get_config
@@ -27,10 +27,9 @@ from jaxspec.model import T5, init_params
 from jaxspec.model import shared_encoder_draft as draft_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
-import gin_flags  # noqa: E402
-import train_shared_encoder_draft as train_script  # noqa: E402
+from jaxspec.launch import gin_flags
+from jaxspec.launch import train_shared_encoder_draft as train_script
 
 TARGET = get_config('test_tiny_1_1')  # emb_dim 32
 DRAFT = get_config('test_tiny_1_0').replace(emb_dim=16, num_heads=2, head_dim=8,

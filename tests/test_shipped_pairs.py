@@ -13,9 +13,8 @@ import jax
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
-import gin_flags  # noqa: E402
+from jaxspec.launch import gin_flags
 import jaxspec.configurables  # noqa: E402,F401  (registers the dataclasses with gin)
 from jaxspec.checkpoints.t5x import load_t5x_checkpoint  # noqa: E402
 from jaxspec import inference  # noqa: E402
@@ -80,9 +79,8 @@ def test_fields_added_later_are_left_out_of_settings_at_their_default():
 # job that raises leaves its traceback in <output dir>/error.txt; the others still run.
 _RUN_MAIN_JOBS = """
 import os, sys, traceback
-sys.path.insert(0, 'scripts')
 import gin
-import infer
+from jaxspec.launch import infer
 for name, output_dir in zip(sys.argv[1::2], sys.argv[2::2]):
   gin.clear_config()
   try:

@@ -9,9 +9,8 @@ import gin
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, 'scripts'))
 
-import soak  # noqa: E402
+from jaxspec.launch import soak
 
 TINY = f'--gin_file={os.path.join(REPO, "configs", "soak", "tiny.gin")}'
 

@@ -1,4 +1,4 @@
-"""The step-cost harness (jaxspec/step_costs.py, scripts/step_costs.py) on a tiny target.
+"""The step-cost harness (jaxspec/measure/step_costs.py, scripts/step_costs.py) on a tiny target.
 
 No timing is asserted: the tests check what is measured and written, and XLA's cost
 analysis against the FLOPs counted by hand from the architecture.
@@ -12,12 +12,12 @@ import sys
 import jax
 import pytest
 
-from jaxspec import step_costs
+from jaxspec.measure import step_costs
 from jaxspec.config import get_config
-from jaxspec.model import init_params, kernel_layout
+from jaxspec.model import init_params
+from jaxspec.model.cpu import layout as kernel_layout
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'scripts'))
-import step_costs as step_costs_script  # noqa: E402  (scripts/step_costs.py)
+from jaxspec.launch import step_costs as step_costs_script
 
 SETUP = step_costs.StepCostSetup(source_length=6, cache_position=3, cache_length=12,
                                  steps_per_call=2, repeats=2)

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import get_config, t5x_adapter
+from jaxspec import get_config
+from jaxspec.integrations import t5x as t5x_adapter
 from jaxspec.config import EOS_ID
 from jaxspec.decoding import baseline
 from jaxspec.model import T5, init_params

@@ -9,7 +9,7 @@ Route 2: SpeculativeEncoderDecoderModel(decoder='beam').
 import numpy as np
 import pytest
 
-from jaxspec import t5x_adapter
+from jaxspec.integrations import t5x as t5x_adapter
 from jaxspec.decoding import beam_search as bs
 from test_t5x_adapter import (DRAFT, ENCODER_TOKENS, LENGTH, TARGET,  # noqa: F401
                               FakeNetwork, FakeVocabulary, _batch, _network_config,

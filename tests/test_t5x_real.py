@@ -24,7 +24,7 @@ from t5x import models, partitioning, utils  # noqa: E402  pylint: disable=g-imp
 from t5x.examples.t5 import network  # noqa: E402  pylint: disable=g-import-not-at-top
 import seqio  # noqa: E402  pylint: disable=g-import-not-at-top
 
-from jaxspec import t5x_adapter  # noqa: E402
+from jaxspec.integrations import t5x as t5x_adapter  # noqa: E402
 from jaxspec.checkpoints import t5x as t5x_checkpoints  # noqa: E402
 from jaxspec.decoding import baseline  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""jaxspec.training: batch padding (few distinct shapes, every token kept) and dropout."""
+"""jaxspec.training.core: batch padding (few distinct shapes, every token kept) and dropout."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxspec import training
+from jaxspec.training import core as training
 from jaxspec.config import get_config
 from jaxspec.model import T5, init_params
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxspec.checkpoints.validate import check_params, flatten_params
 from jaxspec.config import EOS_ID, PAD_ID, T5Config
-from jaxspec.model import kernel_layout
+from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.model.layers import LAYER_NORM_EPSILON
 
 # Hugging Face `feed_forward_proj` -> jaxspec `mlp_activations`. transformers maps

@@ -52,8 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
+from jaxspec import paths
 from jaxspec.checkpoints.validate import check_params
-from jaxspec.model import kernel_layout
+from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.config import T5Config
 
 VERSION = 3
@@ -80,7 +81,7 @@ class CheckpointLocation(NamedTuple):
 
 def _unwrap(params: Mapping[str, Any]) -> Mapping[str, Any]:
   """The 'params' collection in T5X's kernel layout, from it or the variables
-  {'params', 'params_axes'}, either kernel layout (jaxspec.model.kernel_layout)."""
+  {'params', 'params_axes'}, either kernel layout (jaxspec.model.cpu.layout)."""
   if 'params' in params and set(params) <= {'params', 'params_axes'}:
     params = params['params']
   return kernel_layout.t5x_kernels(params)
@@ -305,9 +306,11 @@ def find_t5x_checkpoint(path) -> CheckpointLocation:
   """Locates the checkpoint at `path`: a checkpoint_<step> directory, a legacy msgpack
   file of any name (as T5X accepts; its TensorStore arrays are read beside it), an Orbax
   PyTree directory, or a parent of checkpoint_<step> directories (the largest step
-  holding a checkpoint wins). Raises FileNotFoundError naming what was looked for.
+  holding a checkpoint wins). A relative path that does not exist from the working
+  directory is looked up in the shipped checkpoints directory (jaxspec.paths:
+  $JAXSPEC_CHECKPOINT_DIR). Raises FileNotFoundError naming what was looked for.
   """
-  path = os.fspath(path)
+  path = paths.resolve_checkpoint(os.fspath(path))
   if _is_gcs(path):
     return _gcs_location(path)
   if os.path.isfile(path):

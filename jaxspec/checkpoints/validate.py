@@ -43,7 +43,7 @@ def check_params(params: Mapping[str, Any], config: T5Config,
 
   `params` is the nested 'params' collection (or {'params': ...}); leaves are any
   arrays (numpy, jax, ShapeDtypeStruct); kernels in either layout
-  (jaxspec.model.kernel_layout), reported by their T5X path. The error names the first
+  (jaxspec.model.cpu.layout), reported by their T5X path. The error names the first
   path, in sorted order, that is missing, unexpected or of the wrong shape, with both
   shapes.
   `sources` optionally maps a path to where its value came from, for the message.

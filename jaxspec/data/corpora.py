@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import sentencepiece
 
+from jaxspec import paths
 from jaxspec.config import EOS_ID, PAD_ID, UNK_ID
 
 CORPORA = ('ende', 'docsum')
@@ -29,14 +30,12 @@ TASK_PREFIXES = {
     'ende': 'translate English to German: ',
     'docsum': 'summarize: ',
 }
-DATA_DIR_ENV = 'JAXSPEC_DATA_DIR'
+DATA_DIR_ENV = paths.DATA_DIR_ENV
 
 
 def default_data_dir() -> pathlib.Path:
-  """$JAXSPEC_DATA_DIR, else the `data/` directory beside the package."""
-  if os.environ.get(DATA_DIR_ENV):
-    return pathlib.Path(os.environ[DATA_DIR_ENV])
-  return pathlib.Path(__file__).resolve().parents[2] / 'data'
+  """$JAXSPEC_DATA_DIR, else the checkout's `data/` (jaxspec.paths)."""
+  return paths.data_dir()
 
 
 def read_jsonl_gz(path: str | os.PathLike) -> Iterator[dict]:

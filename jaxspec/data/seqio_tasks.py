@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-from jaxspec import metrics
+from jaxspec.measure import metrics
 from jaxspec.data import corpora
 
 INSTALL_HINT = "pip install 'jaxspec[data]' t5"

@@ -17,7 +17,7 @@ length that holds the longest proposal, chosen per iteration by lax.switch among
 target steps compiled for each length.
 
 With SpeculativeConfig.num_drafts = k > 1 steps 1-3 run on k branches of drafts
-verified in one tree-shaped target step (jaxspec/decoding/multi_draft.py).
+verified in one tree-shaped target step (jaxspec/decoding/verification/tree.py).
 
 There is no separate first-token step: the first iteration starts from x_0 alone
 (length 0), the drafter proposes d_1..d_g after it and the target verifies
@@ -34,19 +34,23 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxspec import block_verification, validation
+from jaxspec.decoding import verification
+from jaxspec.decoding.verification import block as block_verification
+from jaxspec import validation
 from jaxspec.config import EOS_ID, OMIT_AT_DEFAULT, T5Config
-from jaxspec.decoding import common, multi_draft
-from jaxspec.decoding.drafter import (DraftContext, Drafter, drafts_through_first,
-                                      init_drafter_state, propose_coupled,
-                                      propose_with_confidence)
+from jaxspec.decoding import common
+from jaxspec.decoding.verification import tree as multi_draft
+from jaxspec.decoding.drafters.base import (DraftContext, Drafter, drafts_through_first,
+                                            init_drafter_state, propose_coupled,
+                                            propose_with_confidence)
 from jaxspec.model import T5, DecoderCache, rollback
-from jaxspec.sampling import (SamplingConfig, coupled_tokens, coupled_verdict, gather_probs,
-                              greedy_verdict, mask_unproposed, nonfinite_logits,
-                              position_noise, speculative_verdict, standardize,
-                              token_log_probs)
+from jaxspec.sampling import (SamplingConfig, gather_probs, nonfinite_logits, position_noise,
+                              standardize, token_log_probs)
+from jaxspec.decoding.verification.coupled import coupled_tokens, coupled_verdict
+from jaxspec.decoding.verification.token import (greedy_verdict, mask_unproposed,
+                                                 speculative_verdict)
 
-VERIFICATIONS = ('token', 'block', 'coupled')
+VERIFICATIONS = tuple(verification.RULES)  # ('token', 'block', 'coupled')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +61,7 @@ class SpeculativeConfig:
   # more drafts (for sampling, p/(l q); for argmax, p(x) >= l max p).
   lenience: float = 1.0
   # 'token': Algorithm 1, drafts judged one by one up to the first rejection. 'block':
-  # block verification (Sun et al. 2025, jaxspec/block_verification.py), the drafts
+  # block verification (Sun et al. 2025, jaxspec/decoding/verification/block.py), the drafts
   # judged jointly; also exact, never fewer accepted drafts in expectation.
   # 'coupled': the drafter draws each position with the Gumbel noise of that position's
   # key, as the baseline does, and the target draws every verified position with the
@@ -75,7 +79,7 @@ class SpeculativeConfig:
   # steps after every row stopped. 0 always drafts gamma. Exact for any threshold:
   # drafts a row did not propose are never accepted.
   draft_confidence_threshold: float = 0.0
-  # Multi-draft verification (jaxspec/decoding/multi_draft.py): k branches of gamma
+  # Multi-draft verification (jaxspec/decoding/verification/tree.py): k branches of gamma
   # drafts per row, verified in ONE target step over a token tree of 1 + k * gamma
   # positions. Sampling: k i.i.d. drafts and recursive rejection sampling (exact).
   # Temperature 0: a top-k tree from T5 drafters (branch j starts with the draft's j-th
@@ -97,16 +101,9 @@ class SpeculativeConfig:
       raise ValueError(f'gamma must be >= 1, got {self.gamma}')
     if not 0.0 < self.lenience <= 1.0:
       raise ValueError(f'lenience must be in (0, 1] (1 is exact), got {self.lenience}')
-    if self.verification not in VERIFICATIONS:
+    if self.verification not in verification.RULES:
       raise ValueError(f'verification must be one of {VERIFICATIONS}, '
                        f'got {self.verification!r}')
-    if self.verification in ('block', 'coupled') and self.lenience != 1.0:
-      raise ValueError(f'{self.verification} verification is exact only; lenience '
-                       f"{self.lenience} needs verification='token'")
-    if self.verification == 'coupled' and self.draft_confidence_threshold > 0.0:
-      raise ValueError('coupled verification drafts a fixed gamma; '
-                       f'draft_confidence_threshold {self.draft_confidence_threshold} needs '
-                       "verification='token' or 'block'")
     if not 0.0 <= self.draft_confidence_threshold <= 1.0:
       raise ValueError('draft_confidence_threshold must be in [0, 1] (0 always drafts '
                        f'gamma), got {self.draft_confidence_threshold}')
@@ -120,85 +117,25 @@ class SpeculativeConfig:
         or any(a >= b for a, b in zip(lengths, lengths[1:]))):
       raise ValueError(f'verify_lengths must be a tuple of increasing integers in [2, gamma '
                        f'{self.gamma}] (positions of a shorter verify step), got {lengths!r}')
+    self._check_rule(verification.RULES[self.verification])
     if self.num_drafts > 1:
-      unsupported = [name for name, value in (
-          (f"verification='{self.verification}'", self.verification != 'token'),
-          (f'lenience {self.lenience}', self.lenience != 1.0),
-          (f'draft_confidence_threshold {self.draft_confidence_threshold}',
-           self.draft_confidence_threshold > 0.0),
-          (f'verify_lengths {self.verify_lengths}', bool(self.verify_lengths))) if value]
-      if unsupported:
-        raise ValueError(f'num_drafts {self.num_drafts} (multi-draft verification) supports '
-                         "exact token-wise verification with a fixed gamma only; it cannot "
-                         f'be combined with {", ".join(unsupported)}')
+      self._check_rule(verification.TREE_RULE)
 
-
-@flax.struct.dataclass
-class SpeculativeStats:
-  """Per-call statistics; arrays with a batch axis are per row."""
-  target_calls: jax.Array  # [] target decode steps run (one per iteration)
-  # [] drafts proposed: per iteration the most any decoding row proposed (a T5
-  # drafter's decode steps; gamma unless rows stopped at EOS or adaptive gamma).
-  draft_calls: jax.Array
-  row_target_calls: jax.Array  # [b] target steps while the row was still decoding
-  accepted_per_position: jax.Array  # [g] times the draft at position i was accepted
-  num_accepted_counts: jax.Array  # [g+1] iterations that accepted n = 0..g drafts
-  overlap_sum: jax.Array  # [] sum over verified positions of sum_x min(p, q)
-  verified_positions: jax.Array  # [] number of verified drafted positions
-  # [g+1] iterations in which a row proposed k = 0..g drafts (g unless it drafted EOS
-  # before position g, or draft_confidence_threshold > 0); sum_k k * counts[k] drafts
-  # were proposed.
-  num_drafted_counts: jax.Array
-  # [] positions the target's verify steps ran over: gamma + 1 a call (1 + k gamma for
-  # a tree of k drafts), fewer where SpeculativeConfig.verify_lengths shortened a call.
-  target_positions: jax.Array
-
-  @property
-  def alpha(self):
-    """Corollary 3.6's estimate of E[beta] over the verified positions."""
-    return self.overlap_sum / jnp.maximum(self.verified_positions, 1)
-
-  def tokens_per_target_call(self, lengths):
-    return jnp.sum(lengths) / jnp.maximum(jnp.sum(self.row_target_calls), 1)
-
-
-@flax.struct.dataclass
-class SpeculativeTrace:
-  """What every iteration did, per row (speculative_generate(..., record_trace=True)).
-
-  Iteration t is the loop's (t+1)-th iteration (the first proposes after x_0 alone).
-  Arrays are [b, L] or [b, L, g], L the
-  max_decode_length (the most iterations a row can take part in), zero where a row was
-  done or the loop had stopped. The committed tokens of row b are, over t,
-  (drafts[b, t, :num_accepted[b, t]] + [next_token[b, t]])[:committed[b, t]].
-  """
-  drafts: jax.Array  # [b, L, g] int32, the proposal (only the first num_drafts count)
-  num_drafts: jax.Array  # [b, L] int32, drafts the row proposed (0 at iteration 0)
-  num_accepted: jax.Array  # [b, L] int32, drafts accepted
-  next_token: jax.Array  # [b, L] int32, the correction after a rejection, else the bonus
-  committed: jax.Array  # [b, L] int32, tokens written (cut at EOS / the length limit)
-
-
-@flax.struct.dataclass
-class SpeculativeOutput:
-  output: common.DecodeOutput
-  stats: SpeculativeStats
-  trace: SpeculativeTrace | None = None  # With record_trace=True.
-
-
-@flax.struct.dataclass
-class _LoopState:
-  tokens: jax.Array  # [b, L] committed tokens
-  token_log_probs: jax.Array  # [b, L] log p of each committed token (0 when argmax)
-  length: jax.Array  # [b] committed count
-  done: jax.Array  # [b] bool
-  target_cache: DecoderCache
-  drafter_state: Any
-  row_keys: jax.Array  # [b]
-  iteration: jax.Array  # []
-  stats: SpeculativeStats
-  nonfinite: jax.Array  # [b] bool, the row met non-finite logits and was stopped
-  trace: SpeculativeTrace | None  # None unless record_trace
+  def _check_rule(self, rule: verification.VerificationRule):
+    """Refuses the options `rule` cannot take (each verification module's RULE)."""
+    unsupported = rule.unsupported(
+        lenience=self.lenience, draft_confidence_threshold=self.draft_confidence_threshold,
+        num_drafts=self.num_drafts, verify_lengths=self.verify_lengths)
+    if rule is verification.TREE_RULE and self.verification != 'token':
+      unsupported.insert(0, f"verification='{self.verification}'")
+    if not unsupported:
+      return
+    if rule is verification.TREE_RULE:
+      raise ValueError(f'num_drafts {self.num_drafts} (multi-draft verification) supports '
+                       'exact token-wise verification with a fixed gamma only; it cannot '
+                       f'be combined with {", ".join(unsupported)}')
+    raise ValueError(f"verification='{rule.name}' cannot be combined with "
+                     f'{", ".join(unsupported)}; what it takes: {rule.describe()}')
 
 
 def _log_prob_of(probs, tokens, *, sampling: SamplingConfig):
@@ -209,7 +146,7 @@ def _log_prob_of(probs, tokens, *, sampling: SamplingConfig):
 
 
 def _argmax_verdict(spec: SpeculativeConfig, sampling: SamplingConfig) -> bool:
-  """Whether the verdict is sampling.greedy_verdict (exact token-wise, temperature 0)."""
+  """Whether the verdict is token.greedy_verdict (exact token-wise, temperature 0)."""
   return sampling.is_greedy and spec.lenience == 1.0 and spec.verification == 'token'
 
 
@@ -396,7 +333,7 @@ def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, enc
                            spec: SpeculativeConfig, sampling: SamplingConfig,
                            eos_id: int) -> _LoopState:
   """One iteration with spec.num_drafts branches verified in one tree step
-  (jaxspec/decoding/multi_draft.py); the chosen branch then settles as one draft does."""
+  (jaxspec/decoding/verification/tree.py); the chosen branch then settles as one draft does."""
   gamma, num_branches = spec.gamma, spec.num_drafts
   draft_keys, verdict_keys = _iteration_keys(state)
   context = DraftContext(tokens=state.tokens, length=state.length,
@@ -550,7 +487,7 @@ def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None
   a row met NaN/+inf target logits or NaN draft q (output.nonfinite_logits; the row
   stopped there).
   record_trace: also return a SpeculativeTrace of every iteration (drafts, accepted
-  count, next token), for jaxspec.decode_view; costs [b, L, gamma] of loop state.
+  count, next token), for jaxspec.measure.decode_view; costs [b, L, gamma] of loop state.
   """
   check_compatible(target_config, drafter)
   target_params, encoder_tokens, rng = validation.decoder_call(

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import T5Config
-from jaxspec.model import cpu_attention, cpu_matmul
+from jaxspec.model.cpu import attention as cpu_attention, matmul as cpu_matmul
 from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_AXES, TARGET,
                                     constrain)
 
 NEG_INF = -1e10  # Additive mask value, as T5X.
 KERNEL = 'kernel'  # A Dense kernel in T5X's layout [in, out].
-KERNEL_T = 'kernel_t'  # The same kernel transposed, [out, in] (jaxspec.model.kernel_layout).
+KERNEL_T = 'kernel_t'  # The same kernel transposed, [out, in] (jaxspec.model.cpu.layout).
 # An int8 kernel [out, in] and its float32 scale per output (jaxspec.model.quantization).
 KERNEL_INT8 = 'kernel_int8'
 KERNEL_SCALE = 'kernel_scale'
@@ -52,9 +52,9 @@ class Dense(nn.Module):
 
   The kernel is stored as T5X stores it, `kernel` [in_features, out_features], or
   transposed as `kernel_t` [out_features, in_features] (the decode layout for XLA:CPU,
-  made by jaxspec.model.kernel_layout); the module uses whichever the params hold.
+  made by jaxspec.model.cpu.layout); the module uses whichever the params hold.
   A transposed kernel applied to a few positions on CPU runs through jaxspec's few-row
-  kernel (jaxspec.model.cpu_matmul) unless config.cpu_matmul is 'xla'. Params made by
+  kernel (jaxspec.model.cpu.matmul) unless config.cpu_matmul is 'xla'. Params made by
   jaxspec.model.quantization hold `kernel_int8` [out, in] and `kernel_scale` [out]
   instead: the product is then (x @ kernel_int8^T) * kernel_scale in float32 (int8
   drafts). Initialization creates `kernel`.
@@ -99,7 +99,7 @@ class Dense(nn.Module):
 def project_together(x, projections, config: T5Config):
   """(projection(x) for projection in projections), Dense modules over the same x
   [..., in]: ONE call of the few-row kernel where they all hold transposed (or all
-  int8) kernels and it applies (jaxspec.model.cpu_matmul.matmuls_transposed /
+  int8) kernels and it applies (jaxspec.model.cpu.matmul.matmuls_transposed /
   matmuls_int8: results bit-identical to separate calls), else each on its own."""
   weights = [projection.decode_weights() for projection in projections]
   dtype = config.compute_dtype
@@ -270,7 +270,7 @@ class MultiHeadAttention(nn.Module):
 
   def attend_cached(self, query, keys, values, bias):
     """query [b,t,h,d] against cached keys/values [b,h,d,s] (jaxspec.model.cache) -> [b, t, e]
-    (on CPU through the attention kernel, jaxspec.model.cpu_attention)."""
+    (on CPU through the attention kernel, jaxspec.model.cpu.attention)."""
     out = cpu_attention.cached_attention(query, keys, values, bias,
                                          cpu_matmul_setting=self.config.cpu_matmul)
     out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
@@ -280,7 +280,7 @@ class MultiHeadAttention(nn.Module):
     """A decode step's self-attention with its cache write: new keys/values [b,t,h,d]
     go into the cached keys/values [b,h,d,s] at slots starts[b] + 0..t-1, then query
     [b,t,h,d] attends over them -> ([b, t, e], keys, values)
-    (jaxspec.model.cpu_attention.attend_and_write)."""
+    (jaxspec.model.cpu.attention.attend_and_write)."""
     out, keys, values = cpu_attention.attend_and_write(
         query, new_keys, new_values, keys, values, bias, starts, self.config.cpu_matmul)
     out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)

@@ -3,12 +3,12 @@
 A decode step on CPU reads every weight of the decoder once and is bound by memory
 bandwidth, so the same decoder with int8 weights (a quarter of the float32 bytes) steps
 several times faster while proposing almost exactly the target's tokens: the int8 draft
-(jaxspec.decoding.int8_drafter) of a target is its own decoder with each per-step
+(jaxspec.decoding.drafters.int8) of a target is its own decoder with each per-step
 weight matrix quantized. Verification stays with the float32 target, so decoding is
 exact whatever the draft computes; quantization only sets how often drafts are accepted.
 
 Symmetric per-output quantization: row o of a kernel [out, in] (the decode layout,
-jaxspec.model.kernel_layout) is stored as int8 values q[o] in [-127, 127] and one
+jaxspec.model.cpu.layout) is stored as int8 values q[o] in [-127, 127] and one
 float32 scale s[o] = max |w[o]| / 127, w[o] ~ q[o] * s[o]; rows of the token embedding
 table [vocab, embed] likewise (one scale per token serves both the embedding lookup and
 the tied logits). Params name their form: `kernel_int8` + `kernel_scale`,
@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxspec.model.kernel_layout import transposed_kernels
+from jaxspec.model.cpu.layout import transposed_kernels
 from jaxspec.model.layers import (EMBEDDING_INT8, EMBEDDING_SCALE, KERNEL_INT8, KERNEL_SCALE,
                                   KERNEL_T)
 
@@ -76,7 +76,7 @@ def int8_decoder(target_params: Mapping[str, Any]) -> dict:
   kernels in either layout) without the encoder, every per-step matrix int8.
 
   The result is host (numpy) arrays; the draft is jaxspec.model.shared_encoder_draft's
-  decoder over the target's encoding (jaxspec.decoding.int8_drafter).
+  decoder over the target's encoding (jaxspec.decoding.drafters.int8).
   """
   if not isinstance(target_params, Mapping) or 'params' not in target_params:
     raise ValueError("int8_decoder takes the target's variables {'params': ...}")

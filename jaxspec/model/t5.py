@@ -36,7 +36,7 @@ from jaxspec.model.sharding import CACHE_AXES, EMBED_AXES, TARGET, VOCAB_AXES, c
 @flax.struct.dataclass
 class DecodeTree:
   """The shape of a token tree decoded in one step, the same for every row
-  (jaxspec.decoding.multi_draft).
+  (jaxspec.decoding.verification.tree).
 
   New token i sits at depth depths[i] below the last cached position and sees new
   token j iff ancestors[i, j] (j is i or an ancestor of i).

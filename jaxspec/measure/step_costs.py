@@ -3,7 +3,7 @@
 Theorem 3.8 takes a verify step over gamma + 1 positions to cost one step. This module
 measures V(k) = time(step over k positions) / time(step over 1 position) for a target,
 in each variant of the decode matmuls (VARIANTS: the kernel layout of
-jaxspec.model.kernel_layout and T5Config.cpu_matmul), with every (variant, k) timed in
+jaxspec.model.cpu.layout and T5Config.cpu_matmul), with every (variant, k) timed in
 turn within each repetition so that machine load hits all of them alike; plus the
 FLOPs and bytes XLA's cost analysis assigns to each compiled step, and the fraction
 of this machine's measured memory bandwidth and matmul throughput the step reaches.
@@ -24,12 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import benchmark
+from jaxspec.measure import benchmark
 from jaxspec.config import T5Config
-from jaxspec.decoding.drafter import DraftContext
-from jaxspec.decoding.int8_drafter import Int8Drafter
-from jaxspec.decoding.shared_encoder_drafter import SharedEncoderDrafterWithTarget
-from jaxspec.model import T5, init_params, kernel_layout, rollback
+from jaxspec.decoding.drafters.base import DraftContext
+from jaxspec.decoding.drafters.int8 import Int8Drafter
+from jaxspec.decoding.drafters.shared_encoder import SharedEncoderDrafterWithTarget
+from jaxspec.model import T5, init_params, rollback
+from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.sampling import SamplingConfig
 
 

@@ -54,10 +54,17 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decoding.drafter import DraftContext, Drafter
+from jaxspec.decoding.drafters.base import DraftContext, Drafter
+from jaxspec.decoding.verification.rule import VerificationRule
+from jaxspec.decoding.verification.token import (acceptance_probability, acceptance_rate,
+                                                 residual_distribution)
 from jaxspec.model import DecodeTree, DecoderCache
-from jaxspec.sampling import (SamplingConfig, acceptance_probability, acceptance_rate, argmax,
-                              gather_probs, residual_distribution, sample_probs)
+from jaxspec.sampling import SamplingConfig, argmax, gather_probs, sample_probs
+
+# A tree is judged token-wise (exact), every branch of the fixed gamma, in one step of
+# 1 + k * gamma positions: no lenience, adaptive gamma or shorter verify steps.
+RULE = VerificationRule(name='tree', exact_only=True, adaptive_gamma=False,
+                        multi_draft=True, verify_lengths=False)
 
 
 def tree_layout(num_drafts: int, gamma: int) -> DecodeTree:

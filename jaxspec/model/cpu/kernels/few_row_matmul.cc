@@ -4,7 +4,7 @@
 // drafts (JaxspecFewRowMatmulInt8, below). A decode step multiplies 1..9 positions by each
 // weight matrix; XLA:CPU runs 2..9 rows several times slower than one row (its
 // matrix-matrix path), while this kernel reads w once and keeps every row in registers,
-// so k rows cost little more than one (jaxspec.model.cpu_matmul; docs/design.md).
+// so k rows cost little more than one (jaxspec.model.cpu.matmul; docs/design.md).
 //
 // Exactness: every output accumulates over i in the same order (one vector accumulator
 // per output, lane i % kLanes, then a fixed horizontal sum, then the scalar tail),
@@ -12,7 +12,7 @@
 // a k-row product is bit-identical to the one-row product of x[n].
 //
 // AVX2 + FMA, and where built for AVX-512 (-mavx512f, -mavx512bw, -mavx512vnni) 16-lane
-// float32 products and VNNI int8 products; jaxspec.model.cpu_matmul builds it on first
+// float32 products and VNNI int8 products; jaxspec.model.cpu.matmul builds it on first
 // use for the widest of the two this CPU has.
 
 #include <immintrin.h>
@@ -50,7 +50,7 @@ using jaxspec_kernels::Vec;
 using jaxspec_kernels::Zero;
 
 constexpr int64_t kLanes = 8;  // AVX2 lanes of the int8 path's activation quantization
-constexpr int64_t kMaxRows = 32;  // jaxspec.model.cpu_matmul.MAX_ROWS
+constexpr int64_t kMaxRows = 32;  // jaxspec.model.cpu.matmul.MAX_ROWS
 constexpr int64_t kOutputsPerTask = 64;  // outputs per thread at least (fewer: fewer threads)
 constexpr int64_t kFloatsPerLine = 16;  // 64-byte cache lines
 constexpr int64_t kLineBytes = 64;
@@ -359,7 +359,7 @@ struct QuantizedRows {
 
 // Vectorized where it can be: _mm256_div_ps divides exactly as the scalar division does
 // and _mm256_round_ps rounds half to even as nearbyint does, so every lane equals the
-// scalar tail's result (and jaxspec.model.cpu_matmul.quantize_activations).
+// scalar tail's result (and jaxspec.model.cpu.matmul.quantize_activations).
 void QuantizeRows(const float* x, int64_t rows, int64_t in, QuantizedRows* q) {
   q->padded = (in + kInt8PaddedTo - 1) / kInt8PaddedTo * kInt8PaddedTo;
   q->value.assign(rows * q->padded, 0);  // Keeps its capacity from call to call.

@@ -38,10 +38,10 @@ from jaxspec.decoding import common
 from jaxspec.decoding.baseline import DecodingState, temperature_sample
 from jaxspec.decoding.beam_search import BeamConfig, NEG_INF_VALUE, beam_search
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
-from jaxspec.decoding.drafter import Drafter
+from jaxspec.decoding.drafters.base import Drafter
 from jaxspec.decoding.speculative import (SpeculativeConfig, check_compatible,
                                           speculative_generate)
-from jaxspec.decoding.t5_drafter import T5Drafter
+from jaxspec.decoding.drafters.t5 import T5Drafter
 from jaxspec.sampling import SamplingConfig
 
 __all__ = ['DecodingState', 'as_drafter', 'draft_variables', 'make_speculative_model_class',
@@ -395,7 +395,7 @@ def make_speculative_model_class() -> type:
     from t5x import models  # pylint: disable=import-outside-toplevel
   except ImportError as error:
     raise ImportError(
-        'jaxspec.t5x_adapter.SpeculativeEncoderDecoderModel subclasses '
+        'jaxspec.integrations.t5x.SpeculativeEncoderDecoderModel subclasses '
         't5x.models.EncoderDecoderModel and needs t5x installed (pip install t5x, see '
         'github.com/google-research/t5x); t5x could not be imported: '
         f'{error}') from error

@@ -8,7 +8,7 @@
 // A decode step attends over a cache buffer of max_decode_length + gamma slots, most of
 // them past the decoded prefix; XLA computes all of them, with one dot, softmax and dot
 // per attention (10-30 us each on the 2-core CPU, as much as a weight product of the
-// draft's step). This kernel reads only the prefix (jaxspec.model.cpu_attention).
+// draft's step). This kernel reads only the prefix (jaxspec.model.cpu.attention).
 //
 // Exactness: each query's logits, maximum, weights and weighted sums are computed lane
 // by lane (slot s in lane s % kVecLanes), over slot blocks in increasing order, then

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import PAD_ID
-from jaxspec.decoding.drafter import DraftContext
+from jaxspec.decoding.drafters.base import DraftContext
 from jaxspec.sampling import SamplingConfig
 
 

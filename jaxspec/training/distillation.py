@@ -2,7 +2,7 @@
 
 alpha, the rate speculative decoding accepts drafts at, is E[sum_x min(p, q)] =
 1 - E[TV(p, q)] over the prefixes the TARGET produces. Token-level distillation on
-references (`jaxspec.training`) matches p only where the references go; here the
+references (`jaxspec.training.core`) matches p only where the references go; here the
 draft is trained on the teacher's full distribution p at every position of
 sequences it will actually meet:
 
@@ -38,7 +38,7 @@ from jaxspec.config import T5Config
 from jaxspec.decoding import baseline
 from jaxspec.model import T5
 from jaxspec.sampling import MIN_TEMPERATURE, SamplingConfig
-from jaxspec.training import LENGTH_QUANTUM, length_bucket
+from jaxspec.training.core import LENGTH_QUANTUM, length_bucket
 
 DIVERGENCES = ('forward_kl', 'reverse_kl', 'jsd', 'tvd')
 SOURCES = ('draft_samples', 'target_samples', 'target_greedy', 'references')

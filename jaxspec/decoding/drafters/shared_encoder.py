@@ -19,9 +19,10 @@ import dataclasses
 import jax
 
 from jaxspec.config import OMIT_AT_DEFAULT, T5Config
-from jaxspec.decoding.drafter import DraftContext
-from jaxspec.decoding.t5_drafter import CachedDecoderDrafter
-from jaxspec.model import T5, kernel_layout
+from jaxspec.decoding.drafters.base import DraftContext
+from jaxspec.decoding.drafters.t5 import CachedDecoderDrafter
+from jaxspec.model import T5
+from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.model.quantization import int8_decoder
 from jaxspec.model.sharding import DRAFT
 from jaxspec.model.shared_encoder_draft import SharedEncoderDraft

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import OMIT_AT_DEFAULT
-from jaxspec.decoding.shared_encoder_drafter import SharedEncoderDrafter
+from jaxspec.decoding.drafters.shared_encoder import SharedEncoderDrafter
 from jaxspec.model.cache import DecoderCache, LayerCache
 from jaxspec.model.quantization import int8_decoder
 from jaxspec.model.sharding import CACHE_AXES, DRAFT, constrain

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import PAD_ID
-from jaxspec.decoding.drafter import DraftContext, draw_tokens
+from jaxspec.decoding.drafters.base import DraftContext, draw_tokens
 from jaxspec.sampling import SamplingConfig, standardize
 
 DEFAULT_SMOOTHING = 0.01  # Lidstone: small, so q stays close to the observed counts.

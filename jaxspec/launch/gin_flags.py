@@ -1,5 +1,6 @@
 """T5X-style gin flags: --gin_file (repeatable), --gin.NAME=VALUE, --gin_bindings,
---gin_search_paths. Shared by the scripts in this directory."""
+--gin_search_paths; and --data_dir / --checkpoint_dir, where the shipped data and
+checkpoints are (jaxspec.paths). Shared by every launcher."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import re
 
 import gin
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from jaxspec import paths
+
+# gin/ and configs/: the checkout's, or the wheel's copy inside the package.
+GIN_ROOT = str(paths.gin_root())
 _UNKNOWN_PARAMETER = re.compile(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'")
 
 
@@ -36,10 +40,20 @@ def parse(argv: list[str], description: str = '', add_flags=None) -> argparse.Na
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument('--gin_file', action='append', default=[])
   parser.add_argument('--gin_bindings', action='append', default=[])
-  parser.add_argument('--gin_search_paths', default=REPO_ROOT)
+  parser.add_argument('--gin_search_paths', default=GIN_ROOT,
+                      help='comma-separated directories searched for gin files and includes')
+  parser.add_argument('--data_dir', default=None,
+                      help=f'the shipped corpora (default ${paths.DATA_DIR_ENV}, else data/)')
+  parser.add_argument('--checkpoint_dir', default=None,
+                      help=f'the shipped checkpoints (default ${paths.CHECKPOINT_DIR_ENV}, '
+                      'else checkpoints/)')
   if add_flags:
     add_flags(parser)
   args = parser.parse_args(rewrite_gin_args(argv))
+  for flag, variable in ((args.data_dir, paths.DATA_DIR_ENV),
+                         (args.checkpoint_dir, paths.CHECKPOINT_DIR_ENV)):
+    if flag:
+      os.environ[variable] = os.path.abspath(flag)
   for path in args.gin_search_paths.split(','):
     if path:
       gin.add_config_file_search_path(path)

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import T5Config
-from jaxspec.decoding.drafter import DraftContext, draft_confidence, draw_tokens
+from jaxspec.decoding.drafters.base import DraftContext, draft_confidence, draw_tokens
 from jaxspec.model import T5, DecoderCache, repeat_rows, rollback
 from jaxspec.model.sharding import DRAFT
-from jaxspec.sampling import (SamplingConfig, argmax, coupled_tokens, position_noise,
-                              standardize)
+from jaxspec.sampling import SamplingConfig, argmax, position_noise, standardize
+from jaxspec.decoding.verification.coupled import coupled_tokens
 
 
 class CachedDecoderDrafter:

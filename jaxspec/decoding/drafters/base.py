@@ -23,7 +23,7 @@ projecting the encoding again.
 A drafter may also define `propose_top_branches(params, state, context, gamma,
 num_branches)` -> tokens [b, k, gamma], q [b, k, gamma, v], state of the branches
 [b k]: a greedy token tree for multi-draft verification at temperature 0 (T5 drafters,
-jaxspec/decoding/multi_draft.py). Without it, multi-draft decoding at temperature 0
+jaxspec/decoding/verification/tree.py). Without it, multi-draft decoding at temperature 0
 runs as one draft.
 
 A drafter may also define `propose_coupled(params, state, context, gamma, sampling,

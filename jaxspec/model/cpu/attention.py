@@ -4,7 +4,7 @@ A decode step attends over the whole cache buffer (max_decode_length + gamma slo
 one dot, a softmax and a second dot per attention; on the 2-core CPU each costs 10-30 us,
 mostly on slots past the decoded prefix and on per-operation overhead, as much as one of
 the draft's int8 weight products. `cpu_kernels/cached_attention.cc` (built into the
-library of jaxspec.model.cpu_matmul) computes an attention in one call over the first
+library of jaxspec.model.cpu.matmul) computes an attention in one call over the first
 `num_keys[b]` slots of each row only.
 
   cached_attention(query, keys, values, bias, num_keys, cpu_matmul)
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.model import cache as cache_lib
-from jaxspec.model import cpu_matmul
+from jaxspec.model.cpu import matmul as cpu_matmul
 
 MAX_QUERIES = cpu_matmul.MAX_ROWS  # Queries per step routed to the kernel (decode steps).
 

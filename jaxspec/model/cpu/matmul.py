@@ -32,7 +32,7 @@ so a row of a k-row product is bit-identical to its one-row product; a verify st
 and the baseline's steps compute the same logits bit for bit. Against XLA's einsum
 the results differ by float32 rounding only (tests/test_cpu_matmul.py).
 
-The sources (with the cached-attention kernel of jaxspec.model.cpu_attention: one
+The sources (with the cached-attention kernel of jaxspec.model.cpu.attention: one
 library) are compiled on first use with the C++ compiler found as $CXX, g++ or c++,
 against the FFI headers jaxlib ships, into a cache directory ($JAXSPEC_KERNEL_CACHE,
 default ~/.cache/jaxspec/kernels) under a name keyed by the sources, the compiler
@@ -66,13 +66,13 @@ MAX_ROWS = 32  # The kernel's limit on rows per product (kMaxRows in the source)
 TRANSPOSED_CONTRACTION_ROWS = 16  # XLA's [b, out, t] contraction up to this many positions.
 TARGET_NAME = 'jaxspec_few_row_matmul'
 INT8_TARGET_NAME = 'jaxspec_few_row_matmul_int8'
-ATTENTION_TARGET_NAME = 'jaxspec_cached_attention'  # jaxspec.model.cpu_attention
+ATTENTION_TARGET_NAME = 'jaxspec_cached_attention'  # jaxspec.model.cpu.attention
 ATTENTION_WRITE_TARGET_NAME = 'jaxspec_cached_attention_write'  # ... with the cache write
 # Two or three weight matrices against the same rows in one call (a layer's q/k/v, the
 # MLP's wi_0/wi_1), float32 and int8.
 MANY_TARGET_NAMES = {2: 'jaxspec_few_row_matmul_2', 3: 'jaxspec_few_row_matmul_3'}
 MANY_INT8_TARGET_NAMES = {2: 'jaxspec_few_row_matmul_int8_2', 3: 'jaxspec_few_row_matmul_int8_3'}
-KERNEL_DIR = pathlib.Path(__file__).parent / 'cpu_kernels'
+KERNEL_DIR = pathlib.Path(__file__).parent / 'kernels'
 # One library holds every CPU kernel: these sources, compiled together, and the header
 # they share (its bytes key the build too).
 SOURCES = (KERNEL_DIR / 'few_row_matmul.cc', KERNEL_DIR / 'cached_attention.cc')

@@ -35,7 +35,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.sampling import Verdict, acceptance_rate, gather_probs, mask_unproposed, sample_probs
+from jaxspec.decoding.verification.rule import VerificationRule
+from jaxspec.decoding.verification.token import Verdict, acceptance_rate, mask_unproposed
+from jaxspec.sampling import gather_probs, sample_probs
+
+RULE = VerificationRule(name='block', exact_only=True, adaptive_gamma=True,
+                        multi_draft=False, verify_lengths=True)
 
 _TINY = 1e-12  # Residual mass below this is rounding: no stop there, no sample from it.
 

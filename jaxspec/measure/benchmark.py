@@ -38,12 +38,13 @@ import numpy as np
 from jaxspec import inference
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import baseline, common
-from jaxspec.decoding.drafter import DraftContext, Drafter
+from jaxspec.decoding.drafters.base import DraftContext, Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig
-from jaxspec.decoding.shared_encoder_drafter import SharedEncoderDrafterWithTarget
-from jaxspec.decoding.t5_drafter import T5Drafter
+from jaxspec.decoding.drafters.shared_encoder import SharedEncoderDrafterWithTarget
+from jaxspec.decoding.drafters.t5 import T5Drafter
 from jaxspec.model import T5, rollback
-from jaxspec.sampling import SamplingConfig, acceptance_rate, standardize
+from jaxspec.sampling import SamplingConfig, standardize
+from jaxspec.decoding.verification.token import acceptance_rate
 
 
 def cpu_model() -> str:

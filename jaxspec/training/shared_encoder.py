@@ -2,7 +2,7 @@
 
 Every step encodes the batch with the TARGET's encoder (no gradient: the target is
 frozen and the draft has no encoder of its own), runs the draft decoder teacher forced
-over that encoding, and takes T5X's loss (jaxspec.training.token_losses): cross-entropy
+over that encoding, and takes T5X's loss (jaxspec.training.core.token_losses): cross-entropy
 on the references, mixed with the cross-entropy against the target's own next-token
 distribution at every position when LossConfig.distill_weight > 0 (the target's
 logits come from the same encoding). Only the draft's parameters are updated.
@@ -19,7 +19,7 @@ import optax
 from jaxspec.config import T5Config
 from jaxspec.model import T5
 from jaxspec.model.shared_encoder_draft import SharedEncoderDraft
-from jaxspec.training import LossConfig, descend
+from jaxspec.training.core import LossConfig, descend
 
 
 def target_encoding(target_params, batch, *, target_config: T5Config, with_logits: bool):
@@ -46,7 +46,7 @@ def train_step(params, opt_state, batch, target_params, *, config: T5Config,
                encoder_dim: int, optimizer: optax.GradientTransformation,
                loss_config: LossConfig, target_config: T5Config):
   """One optimizer step of the draft decoder `params` ({'params'} tree, without the
-  collection key); returns (params, opt_state, metrics) as jaxspec.training.train_step."""
+  collection key); returns (params, opt_state, metrics) as jaxspec.training.core.train_step."""
   encoded, teacher_logits = target_encoding(
       target_params, batch, target_config=target_config,
       with_logits=loss_config.distill_weight > 0)
