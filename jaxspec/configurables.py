@@ -1,4 +1,5 @@
-"""Registers jaxspec's configuration dataclasses with gin, under module 'jaxspec'.
+"""Registers jaxspec's configuration dataclasses and drafters with gin, under module
+'jaxspec'.
 
 Imported only by scripts (gin lives at the edges); the library never parses gin.
 Bindings look like `jaxspec.T5Config.emb_dim = 256`.
@@ -8,6 +9,8 @@ import gin
 
 from jaxspec.config import T5Config
 from jaxspec.decoding.beam_search import BeamConfig
+from jaxspec.decoding.drafters import (BigramDrafter, Int8Drafter, PromptLookupDrafter,
+                                       SharedEncoderDrafter, T5Drafter, UnigramDrafter)
 from jaxspec.decoding.speculative import SpeculativeConfig
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig
 from jaxspec.training.distillation import DataMixConfig, DivergenceConfig
@@ -18,3 +21,7 @@ from jaxspec.training.core import LossConfig, OptimizerConfig
 for _cls in (T5Config, SamplingConfig, SpeculativeConfig, BeamConfig, SpeculativeBeamConfig,
              OptimizerConfig, LossConfig, PartitioningConfig, DivergenceConfig, DataMixConfig):
   gin.external_configurable(_cls, module='jaxspec')
+
+for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter,
+                 SharedEncoderDrafter, Int8Drafter):
+  gin.external_configurable(_drafter, module='jaxspec')

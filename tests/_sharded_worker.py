@@ -14,7 +14,6 @@ tiny_launcher_run makes them in the test process); without it the worker makes b
 """
 
 import json
-import os
 import sys
 
 import flax.traverse_util

@@ -4,7 +4,6 @@ difference is diagnosed with both frameworks' logits."""
 
 import json
 import os
-import sys
 
 import jax
 import pytest

@@ -4,7 +4,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 
 import gin
 import jax

@@ -1,8 +1,6 @@
 """scripts/best_checkpoint.py: the kept checkpoint that is best by a logged metric."""
 
 import json
-import os
-import sys
 
 import pytest
 

@@ -3,7 +3,6 @@
 import ast
 import gzip
 import json
-import pathlib
 import struct
 
 import pytest

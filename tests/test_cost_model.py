@@ -5,7 +5,6 @@ Eq. (1) of the paper, and the required alpha is the least that reaches the speed
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest

@@ -27,7 +27,7 @@ import pytest
 import test_speculative as spec_tests  # tests/test_speculative.py: models, enumeration
 from jaxspec.decoding import common
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafters import T5Drafter
+from jaxspec.decoding.drafters import Drafter, T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.sampling import SamplingConfig, position_noise, sample_logits
 from jaxspec.decoding.verification.coupled import coupled_tokens, coupled_verdict
@@ -40,9 +40,9 @@ RNG = jax.random.PRNGKey(21)
 
 
 @dataclasses.dataclass(frozen=True)
-class _WithoutCoupledDraws:
-  """A T5 drafter hiding its propose_coupled: coupled verification falls back to
-  `propose` and draws every verified position with fresh noise."""
+class _WithoutCoupledDraws(Drafter):
+  """A T5 drafter without its propose_coupled (Drafter's default): coupled verification
+  takes `propose`'s tokens and draws every verified position with fresh noise."""
   inner: T5Drafter
 
   @property

@@ -4,7 +4,6 @@ alpha, and scripts/train.py's distillation runs resuming exactly."""
 
 import json
 import os
-import sys
 
 import gin
 import jax

@@ -3,7 +3,6 @@ bfloat16 to the destination, the destination's old contents kept when the step i
 missing."""
 
 import os
-import sys
 
 import numpy as np
 import pytest

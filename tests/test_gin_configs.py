@@ -6,7 +6,6 @@ Nothing here reads gs:// or downloads anything: models are built abstractly."""
 import functools
 import importlib
 import pathlib
-import sys
 
 import gin
 import pytest

@@ -6,7 +6,6 @@ before any model is loaded."""
 import json
 import os
 import shutil
-import sys
 
 import gin
 import numpy as np

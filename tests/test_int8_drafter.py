@@ -12,7 +12,6 @@ import pytest
 
 from jaxspec.config import get_config
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafters.base import init_drafter_state
 from jaxspec.decoding.drafters import (Int8Drafter, SharedEncoderDrafter,
                                        SharedEncoderDrafterWithTarget)
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
@@ -119,14 +118,14 @@ def test_stand_alone_wrapper_shares_the_target_cache_only_for_the_int8_draft():
   # Marked cross keys: only a state taken from the cache carries them.
   marked = target_cache.replace(layers=tuple(
       layer.replace(cross_keys=layer.cross_keys + 1.0) for layer in target_cache.layers))
-  shared = init_drafter_state(int8, params, tokens, encoded, 9, marked)
+  shared = int8.init_state_for_decode(params, tokens, encoded, 9, marked)
   for mine, theirs in zip(shared.layers, marked.layers):
     np.testing.assert_array_equal(mine.cross_keys, theirs.cross_keys)
   # A trained encoder-sharing draft has its own cross projections: no cache to share.
   plain = SharedEncoderDrafterWithTarget(SharedEncoderDrafter(CONFIG, CONFIG.emb_dim), CONFIG)
-  assert plain.init_state_from_target_cache is None
+  assert int8.shares_target_cache and not plain.shares_target_cache
   plain_params = {'draft': from_target_decoder(target), 'target': target}
-  state = init_drafter_state(plain, plain_params, tokens, encoded, 9, target_cache)
+  state = plain.init_state_for_decode(plain_params, tokens, encoded, 9, target_cache)
   jax.tree_util.tree_map(np.testing.assert_array_equal, state,
                          plain.init_state_from_target(plain_params, tokens, encoded, 9))
 

@@ -1,15 +1,26 @@
-"""Package-level properties: a TensorFlow-free decoding core, dtypes from config."""
+"""Package-level properties: a TensorFlow-free decoding core, dtypes from config, and the
+wheel as installed (kernel sources, gin files, the launchers from any directory)."""
 
 import functools
+import importlib
+import importlib.util
+import json
+import os
+import pathlib
+import re
 import subprocess
 import sys
+import tomllib
+import zipfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxspec import get_config
 from jaxspec.model import T5, init_params
+from jaxspec.model.cpu import matmul as cpu_matmul
 
 
 def test_decoding_core_imports_without_tensorflow():
@@ -55,3 +66,86 @@ def test_compute_and_parameter_dtypes_come_from_config():
   f32_logits = _float32_forward(config, variables, encoder_tokens,
                                 jnp.zeros((1, 1), jnp.int32))
   np.testing.assert_allclose(logits, f32_logits, atol=0.1, rtol=0.05)
+
+
+# ----------------------------------------------------------------------------------
+# The wheel: what a non-editable `pip install .` installs, tested as installed.
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _declared_packages() -> set[str]:
+  with open(REPO / 'pyproject.toml', 'rb') as f:
+    return set(tomllib.load(f)['tool']['setuptools']['packages'])
+
+
+def test_pyproject_lists_every_package_of_the_tree():
+  on_disk = {'.'.join(p.parent.relative_to(REPO).parts)
+             for p in (REPO / 'jaxspec').rglob('__init__.py')}
+  assert _declared_packages() == on_disk | {'jaxspec.gin', 'jaxspec.configs'}
+
+
+@pytest.fixture(scope='module')
+def installed_wheel(tmp_path_factory):
+  """A wheel of the checkout installed into a fresh virtual environment (its
+  dependencies from the running environment): (venv python, wheel's file names)."""
+  root = tmp_path_factory.mktemp('wheel')
+  subprocess.run([sys.executable, '-m', 'pip', 'wheel', '-q', '--no-deps',
+                  '--no-build-isolation', '-w', str(root / 'dist'), str(REPO)], check=True)
+  [wheel] = (root / 'dist').glob('jaxspec-*.whl')
+  subprocess.run([sys.executable, '-m', 'venv', '--system-site-packages', str(root / 'venv')],
+                 check=True)
+  python = root / 'venv' / 'bin' / 'python'
+  subprocess.run([python, '-m', 'pip', 'install', '-q', '--no-deps', '--no-index', str(wheel)],
+                 check=True)
+  with zipfile.ZipFile(wheel) as archive:
+    names = set(archive.namelist())
+  return python, names
+
+
+def test_the_wheel_carries_every_file_the_kernel_build_reads_and_the_gin_files(
+    installed_wheel):
+  _, names = installed_wheel
+  for source in cpu_matmul.SOURCES + cpu_matmul.HEADERS:
+    assert str(source.relative_to(REPO)) in names, source
+  for tree in ('gin', 'configs'):
+    for gin_file in (REPO / tree).rglob('*.gin'):
+      assert f'jaxspec/{gin_file.relative_to(REPO)}' in names, gin_file
+
+
+@pytest.mark.skipif(cpu_matmul.kernel_isa() is None or cpu_matmul._compiler() is None,
+                    reason='the CPU kernel needs AVX2 + FMA and a C++ compiler')
+def test_installed_launcher_runs_from_another_directory_with_the_kernel(
+    installed_wheel, tmp_path):
+  """jaxspec-infer from the wheel, run outside the checkout: gin files from the
+  package, checkpoints and data from --checkpoint_dir / --data_dir, and the kernel
+  built afresh from the installed sources (a cache of its own)."""
+  python, _ = installed_wheel
+  env = dict(os.environ, JAXSPEC_KERNEL_CACHE=str(tmp_path / 'kernels'))
+  where = subprocess.run([python, '-c', 'import jaxspec; print(jaxspec.__file__)'],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+  assert str(python.parents[1]) in where.stdout, where.stdout  # the venv's, not the checkout's
+  subprocess.run(
+      [python.parent / 'jaxspec-infer', '--gin_file=configs/infer/ende_local.gin',
+       '--gin.infer.num_examples=1', "--gin.infer.output_dir='out'",
+       f'--checkpoint_dir={REPO / "checkpoints"}', f'--data_dir={REPO / "data"}'],
+      cwd=tmp_path, env=env, check=True, capture_output=True)
+  summary = json.loads((tmp_path / 'out' / 'summary.json').read_text())
+  assert summary['matmul'].startswith('kernel ('), summary['matmul']
+  assert summary['identical_outputs'] == summary['examples'] == 1
+  assert list((tmp_path / 'kernels').iterdir())  # built from the wheel's sources
+
+
+def test_every_console_entry_point_and_script_wrapper_reaches_a_launcher():
+  with open(REPO / 'pyproject.toml', 'rb') as f:
+    scripts = tomllib.load(f)['project']['scripts']
+  for name, target in scripts.items():
+    module, _, function = target.partition(':')
+    assert module.startswith('jaxspec.launch.'), (name, target)
+    assert callable(getattr(importlib.import_module(module), function)), (name, target)
+  # scripts/ holds thin wrappers only: each runs one launcher's entry point.
+  for wrapper in (REPO / 'scripts').glob('*.py'):
+    text = wrapper.read_text()
+    assert len(text.splitlines()) <= 12, wrapper
+    launcher = re.search(r'from (jaxspec\.launch\.\w+) import', text)
+    assert launcher and importlib.util.find_spec(launcher.group(1)), wrapper

@@ -3,7 +3,6 @@ shipped checkpoints, and text in -> text out equals encoding by hand, decoding w
 the public decoders and detokenizing (speculative token-identical to the baseline)."""
 
 import os
-import sys
 
 import gin
 import jax

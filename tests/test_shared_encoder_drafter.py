@@ -18,8 +18,6 @@
 """
 
 import functools
-import os
-import sys
 
 import flax.traverse_util
 import gin

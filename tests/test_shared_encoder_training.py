@@ -12,7 +12,6 @@
 
 import functools
 import os
-import sys
 
 import gin
 import jax

@@ -3,7 +3,6 @@ a steady run and fails one that compiles after its warm-up."""
 
 import json
 import os
-import sys
 
 import gin
 import pytest

@@ -30,7 +30,7 @@ import pytest
 from jaxspec.config import EOS_ID, T5Config, get_config
 from jaxspec.decoding import speculative
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafters import T5Drafter
+from jaxspec.decoding.drafters import Drafter, T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.model import T5, init_params, rollback
 from jaxspec.sampling import SamplingConfig, standardize
@@ -309,7 +309,7 @@ def test_model_poisoning_a_valid_slot_changes_logits():
 
 
 @dataclasses.dataclass(frozen=True)
-class _PoisonedDrafter:
+class _PoisonedDrafter(Drafter):
   """Delegates to `inner` after poisoning slots of the draft cache with `value`.
 
   Its params are (inner params, mode); mode 0 poisons nothing, 1 the slots >= length - 1

@@ -6,8 +6,6 @@ analysis against the FLOPs counted by hand from the architecture.
 
 import json
 import math
-import os
-import sys
 
 import jax
 import pytest

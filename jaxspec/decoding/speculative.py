@@ -40,9 +40,7 @@ from jaxspec import validation
 from jaxspec.config import EOS_ID, OMIT_AT_DEFAULT, T5Config
 from jaxspec.decoding import common
 from jaxspec.decoding.verification import tree as multi_draft
-from jaxspec.decoding.drafters.base import (DraftContext, Drafter, drafts_through_first,
-                                            init_drafter_state, propose_coupled,
-                                            propose_with_confidence)
+from jaxspec.decoding.drafters.base import DraftContext, Drafter, drafts_through_first
 from jaxspec.model import T5, DecoderCache, rollback
 from jaxspec.sampling import (SamplingConfig, gather_probs, nonfinite_logits, position_noise,
                               standardize, token_log_probs)
@@ -136,6 +134,76 @@ class SpeculativeConfig:
                        f'be combined with {", ".join(unsupported)}')
     raise ValueError(f"verification='{rule.name}' cannot be combined with "
                      f'{", ".join(unsupported)}; what it takes: {rule.describe()}')
+
+
+@flax.struct.dataclass
+class SpeculativeStats:
+  """Per-call statistics; arrays with a batch axis are per row."""
+  target_calls: jax.Array  # [] target decode steps run (one per iteration)
+  # [] drafts proposed: per iteration the most any decoding row proposed (a T5
+  # drafter's decode steps; gamma unless rows stopped at EOS or adaptive gamma).
+  draft_calls: jax.Array
+  row_target_calls: jax.Array  # [b] target steps while the row was still decoding
+  accepted_per_position: jax.Array  # [g] times the draft at position i was accepted
+  num_accepted_counts: jax.Array  # [g+1] iterations that accepted n = 0..g drafts
+  overlap_sum: jax.Array  # [] sum over verified positions of sum_x min(p, q)
+  verified_positions: jax.Array  # [] number of verified drafted positions
+  # [g+1] iterations in which a row proposed k = 0..g drafts (g unless it drafted EOS
+  # before position g, or draft_confidence_threshold > 0); sum_k k * counts[k] drafts
+  # were proposed.
+  num_drafted_counts: jax.Array
+  # [] positions the target's verify steps ran over: gamma + 1 a call (1 + k gamma for
+  # a tree of k drafts), fewer where SpeculativeConfig.verify_lengths shortened a call.
+  target_positions: jax.Array
+
+  @property
+  def alpha(self):
+    """Corollary 3.6's estimate of E[beta] over the verified positions."""
+    return self.overlap_sum / jnp.maximum(self.verified_positions, 1)
+
+  def tokens_per_target_call(self, lengths):
+    return jnp.sum(lengths) / jnp.maximum(jnp.sum(self.row_target_calls), 1)
+
+
+@flax.struct.dataclass
+class SpeculativeTrace:
+  """What every iteration did, per row (speculative_generate(..., record_trace=True)).
+
+  Iteration t is the loop's (t+1)-th iteration (the first proposes after x_0 alone).
+  Arrays are [b, L] or [b, L, g], L the
+  max_decode_length (the most iterations a row can take part in), zero where a row was
+  done or the loop had stopped. The committed tokens of row b are, over t,
+  (drafts[b, t, :num_accepted[b, t]] + [next_token[b, t]])[:committed[b, t]].
+  """
+  drafts: jax.Array  # [b, L, g] int32, the proposal (only the first num_drafts count)
+  num_drafts: jax.Array  # [b, L] int32, drafts the row proposed (0 at iteration 0)
+  num_accepted: jax.Array  # [b, L] int32, drafts accepted
+  next_token: jax.Array  # [b, L] int32, the correction after a rejection, else the bonus
+  committed: jax.Array  # [b, L] int32, tokens written (cut at EOS / the length limit)
+
+
+@flax.struct.dataclass
+class SpeculativeOutput:
+  output: common.DecodeOutput
+  stats: SpeculativeStats
+  trace: SpeculativeTrace | None = None  # With record_trace=True.
+
+
+@flax.struct.dataclass
+class _LoopState:
+  tokens: jax.Array  # [b, L] committed tokens
+  token_log_probs: jax.Array  # [b, L] log p of each committed token (0 when argmax)
+  length: jax.Array  # [b] committed count
+  done: jax.Array  # [b] bool
+  target_cache: DecoderCache
+  drafter_state: Any
+  row_keys: jax.Array  # [b]
+  iteration: jax.Array  # []
+  stats: SpeculativeStats
+  nonfinite: jax.Array  # [b] bool, the row met non-finite logits and was stopped
+  trace: SpeculativeTrace | None  # None unless record_trace
+
+
 
 
 def _log_prob_of(probs, tokens, *, sampling: SamplingConfig):
@@ -241,8 +309,8 @@ def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens,
   context = DraftContext(tokens=state.tokens, length=state.length,
                          encoder_tokens=encoder_tokens, eos_id=eos_id)
   if spec.draft_confidence_threshold > 0.0:
-    drafts, draft_probs, confidence, drafter_state = propose_with_confidence(
-        drafter, drafter_params, state.drafter_state, context, gamma, sampling, draft_keys,
+    drafts, draft_probs, confidence, drafter_state = drafter.propose_with_confidence(
+        drafter_params, state.drafter_state, context, gamma, sampling, draft_keys,
         spec.draft_confidence_threshold)
     # Each row proposes up to and including its first unsure draft or EOS.
     num_drafts = drafts_through_first((confidence < spec.draft_confidence_threshold)
@@ -307,8 +375,8 @@ def _coupled_iteration(state: _LoopState, target_params, drafter_params, encoder
                                                                gamma + 1)
   context = DraftContext(tokens=state.tokens, length=state.length,
                          encoder_tokens=encoder_tokens, eos_id=eos_id)
-  drafts, draft_noise, drafter_state = propose_coupled(
-      drafter, drafter_params, state.drafter_state, context, gamma, sampling,
+  drafts, draft_noise, drafter_state = drafter.propose_coupled(
+      drafter_params, state.drafter_state, context, gamma, sampling,
       None if keys is None else keys[:, :gamma], draft_keys)
   num_drafts = drafts_through_first(drafts == eos_id)  # [b]
   logits, target_cache, positions = _verify(state, target_params, context, drafts,
@@ -431,6 +499,9 @@ def _settle(state: _LoopState, drafts, drafted, nonfinite, log_probs_of, verdict
 
 
 def check_compatible(target_config: T5Config, drafter: Drafter):
+  if not isinstance(drafter, Drafter):
+    raise TypeError(f'drafter must be a jaxspec Drafter (jaxspec.decoding.drafters.base), '
+                    f'got {type(drafter).__name__}')
   if drafter.vocab_size != target_config.vocab_size:
     raise ValueError(
         f'draft and target vocabularies differ: the drafter has vocab_size '
@@ -531,8 +602,8 @@ def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
       tokens=jnp.zeros((batch, max_decode_length), jnp.int32),
       token_log_probs=jnp.zeros((batch, max_decode_length), jnp.float32),
       length=zeros, done=zeros.astype(bool), target_cache=target_cache,
-      drafter_state=init_drafter_state(drafter, drafter_params, encoder_tokens, encoded,
-                                       cache_length, target_cache),
+      drafter_state=drafter.init_state_for_decode(drafter_params, encoder_tokens, encoded,
+                                                  cache_length, target_cache),
       row_keys=row_keys, iteration=jnp.zeros((), jnp.int32),
       stats=_initial_stats(batch, spec.gamma), nonfinite=zeros.astype(bool),
       trace=_initial_trace(batch, max_decode_length, spec.gamma) if record_trace else None)

@@ -118,7 +118,7 @@ def as_drafter(draft, target_config: T5Config) -> Drafter:
     return T5Drafter(get_config(draft, dtype=target_config.dtype))
   if isinstance(draft, T5Config):
     return T5Drafter(draft)
-  if hasattr(draft, 'propose'):
+  if isinstance(draft, Drafter):
     return draft
   if hasattr(draft, 'emb_dim'):
     return T5Drafter(t5config_from_t5x_network_config(draft))

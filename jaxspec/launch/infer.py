@@ -44,7 +44,7 @@ import tqdm
 from jax.experimental import multihost_utils
 
 from jaxspec.launch import gin_flags
-import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
+import jaxspec.configurables  # noqa: F401  (registers the dataclasses and drafters with gin)
 from jaxspec.measure import benchmark as measure, decode_view, metrics
 from jaxspec import inference, validation
 from jaxspec import partitioning as partitioning_lib
@@ -52,15 +52,12 @@ from jaxspec.config import EOS_ID, T5Config
 from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.beam_search import BeamConfig, generate_beam
-from jaxspec.checkpoints import shared_encoder_draft as shared_encoder_checkpoints
-from jaxspec.decoding.drafters import (BigramDrafter, Int8Drafter, PromptLookupDrafter,
-                                       SharedEncoderDrafter, T5Drafter, UnigramDrafter,
-                                       fit_bigram, fit_unigram)
+from jaxspec.decoding.drafters import DraftSources, SharedEncoderDrafter, T5Drafter
 from jaxspec.decoding.speculative import (SpeculativeConfig, check_compatible,
                                           speculative_generate)
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
 from jaxspec.model import abstract_params
-from jaxspec.model.quantization import int8_decoder
+from jaxspec.model.cpu import matmul as cpu_matmul_lib
 from jaxspec.sampling import SamplingConfig
 
 DEFAULT_GIN_FILE = 'configs/infer/ende54m_int8.gin'  # The pair on which speculation pays.
@@ -69,51 +66,23 @@ BEAM_DECODERS = ('beam', 'speculative_beam')  # Beam search under `beam`, determ
 DECODERS = SAMPLING_DECODERS + BEAM_DECODERS
 DRAFTING_DECODERS = ('speculative', 'speculative_beam')  # Those that load the drafter.
 
-for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter,
-                 SharedEncoderDrafter, Int8Drafter):
-  gin.external_configurable(_drafter, module='jaxspec')
 
 
 def drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length, partitioner=None,
                    target_params=None):
-  """The params pytree of `drafter`: a checkpoint, n-gram tables fitted on train, or
-  (an int8 draft) the target's params quantized.
+  """The params pytree of `drafter` (Drafter.load_params): a checkpoint, n-gram tables
+  fitted on the corpus's train split, or (an int8 draft) the target's params quantized.
 
   With a partitioner, a checkpoint is read straight into the draft's shardings and
-  fitted tables are placed replicated on its mesh."""
-  if isinstance(drafter, Int8Drafter):  # Made from the target: no checkpoint of its own.
-    if draft_checkpoint:
-      raise ValueError('an int8 draft is made from the target checkpoint; unset '
-                       f'infer.draft_checkpoint ({draft_checkpoint!r})')
-    if target_params is None:
-      raise ValueError("an int8 draft needs the target's params")
-    if partitioner:
-      return partitioner.place_replicated(int8_decoder(jax.device_get(target_params)))
-    return drafter.draft_params(target_params)
-  if partitioner and not isinstance(drafter, T5Drafter):
-    return partitioner.place_replicated(
-        drafter_params(drafter, draft_checkpoint, corpus, vocab, target_length))
-  if isinstance(drafter, T5Drafter):
-    if not draft_checkpoint:
-      raise ValueError('a T5 drafter needs infer.draft_checkpoint')
-    if partitioner:
-      return partitioner.load_params(draft_checkpoint, drafter.config, draft=True)
-    return inference.load_model_params(draft_checkpoint, drafter.config, for_decoding=True)
-  if isinstance(drafter, SharedEncoderDrafter):  # A draft decoder over the target's encoding.
-    if not draft_checkpoint:
-      raise ValueError('a shared-encoder drafter needs infer.draft_checkpoint')
-    return drafter.decoding_params(shared_encoder_checkpoints.load(
-        draft_checkpoint, drafter.config, drafter.encoder_dim, dtype=drafter.config.param_dtype))
-  if isinstance(drafter, (UnigramDrafter, BigramDrafter)):
-    if corpus is None:
-      raise ValueError('n-gram drafters are fitted on a shipped corpus (infer.corpus); '
-                       'with a seqio task other than jaxspec_*_local use a T5 drafter '
-                       'or prompt lookup')
-    targets = [corpora.trim_and_append_eos(vocab.encode(e['targets']), target_length)
-               for e in corpora.load_split(corpus, 'train')]
-    fit = fit_unigram if isinstance(drafter, UnigramDrafter) else fit_bigram
-    return fit([np.asarray(t) for t in targets], drafter.vocab_size)
-  return ()
+  other params are placed replicated on its mesh."""
+
+  def train_targets():
+    return [np.asarray(corpora.trim_and_append_eos(vocab.encode(e['targets']), target_length))
+            for e in corpora.load_split(corpus, 'train')]
+
+  return drafter.load_params(DraftSources(
+      checkpoint=draft_checkpoint, target_params=target_params,
+      train_targets=None if corpus is None else train_targets, partitioner=partitioner))
 
 
 class TaskData(NamedTuple):
@@ -314,11 +283,13 @@ def beam_comparison(beam_records, speculative_records) -> dict:
 
 
 def summarize(task, metric, draft_name, sampling, spec, writers, indices, beam=None,
-              speculative_beam=None) -> dict:
+              speculative_beam=None, cpu_matmul: str | None = None) -> dict:
   """Table-2-style summary over `indices`, the examples asked for (a directory may
   hold more from an earlier, longer run with the same settings)."""
   common = sorted(set(indices).intersection(*(set(w.records) for w in writers.values())))
   summary = {'task': task, 'draft': draft_name}
+  if cpu_matmul is not None:  # What the decode steps ran on: the kernel, or XLA and why.
+    summary['matmul'] = cpu_matmul_lib.kernel_status(cpu_matmul)
   if set(writers) & set(SAMPLING_DECODERS):
     summary.update(temperature=sampling.temperature, gamma=spec.gamma,
                    lenience=spec.lenience, verification=spec.verification)
@@ -747,7 +718,7 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   if partitioner and not partitioner.is_output_process:
     return {}
   summary = summarize(task.name, task.metric, draft_name, sampling, speculative, writers,
-                      range(len(examples)), beam, speculative_beam)
+                      range(len(examples)), beam, speculative_beam, target_model.cpu_matmul)
   summary['device'] = jax.devices()[0].device_kind
   summary['batch_size'] = batch_size
   if partitioner:

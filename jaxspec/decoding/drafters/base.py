@@ -1,37 +1,39 @@
 """The drafter interface: what proposes gamma tokens for the target to verify.
 
-A drafter is a frozen dataclass (hashable, static under jit) whose learned or
-fitted tables live in a separate `params` pytree. Each iteration of speculative
-decoding calls `propose` once; it sees the committed prefix through a DraftContext
-and returns gamma tokens with the standardized distribution q each was drawn from.
-Deterministic drafters return one-hot q.
+A drafter is a frozen dataclass (hashable, static under jit) subclassing `Drafter`,
+whose learned or fitted tables live in a separate `params` pytree. Each iteration of
+speculative decoding calls `propose` once; it sees the committed prefix through a
+DraftContext and returns gamma tokens with the standardized distribution q each was
+drawn from. Deterministic drafters return one-hot q.
 
-Implementations: T5Drafter (t5_drafter.py); UnigramDrafter, BigramDrafter with
-fit_unigram and fit_bigram (ngram.py); PromptLookupDrafter (prompt_lookup.py);
-SharedEncoderDrafter (shared_encoder_drafter.py). All are importable from
-`jaxspec.decoding.drafters`.
+Every drafter implements `vocab_size`, `init_state` and `propose`. The optional
+capabilities have default implementations on `Drafter`, which subclasses override
+where they do better; the decoders call them unconditionally, never probing:
 
-A drafter that reads the target's encoder output instead of encoding the input
-itself also defines `init_state_from_target(params, encoder_tokens, target_encoded,
-max_length)`; speculative decoding then calls it (through `init_drafter_state`) with
-the encoding the target already computed, in place of `init_state`. A drafter whose
-cross-attention keys/values are the target's own (the int8 draft) defines
-`init_state_from_target_cache(params, target_cache, max_length)` instead (None where a
-wrapper's drafter has none), and reuses the target's cross-attention cache rather than
-projecting the encoding again.
+  init_state_for_decode(params, encoder_tokens, target_encoded, max_length, target_cache)
+      the per-generation state inside speculative decoding. Default: `init_state`
+      (the drafter encodes the input itself). Encoder-sharing drafters read the
+      target's encoder output instead; the int8 draft (shares_target_cache) reuses the
+      target's cross-attention cache rather than projecting the encoding again.
+  propose_with_confidence(..., stop_below)
+      adaptive gamma: drafts with the confidence of each (draft_confidence). Default:
+      `propose`, confidence the largest probability of q. T5 drafters skip the steps
+      after every row has drafted a token below stop_below.
+  propose_coupled(..., position_keys, keys)
+      coupled verification: each draft drawn as the baseline draws its position,
+      argmax(adjusted logits + that position's Gumbel noise), returning the noise.
+      Default: `propose`'s tokens and no noise (still exact, agreeing less often).
+  propose_top_branches(..., num_branches)   (where proposes_top_branches)
+      a greedy token tree for multi-draft verification at temperature 0. Drafters
+      without it decode multi-draft at temperature 0 as one draft.
+  load_params(sources)
+      the params pytree from what a launcher has (DraftSources): a checkpoint, the
+      target's params, token data to fit tables on. Default: no params, `()`.
 
-A drafter may also define `propose_top_branches(params, state, context, gamma,
-num_branches)` -> tokens [b, k, gamma], q [b, k, gamma, v], state of the branches
-[b k]: a greedy token tree for multi-draft verification at temperature 0 (T5 drafters,
-jaxspec/decoding/verification/tree.py). Without it, multi-draft decoding at temperature 0
-runs as one draft.
-
-A drafter may also define `propose_coupled(params, state, context, gamma, sampling,
-position_keys)` -> tokens [b, gamma], noise [b, gamma, v], state: each draft drawn as
-the baseline draws its position, argmax(adjusted logits + noise) with the Gumbel noise
-of that position's key (coupled verification, SpeculativeConfig.verification =
-'coupled'; at temperature 0 argmax picks and no noise). Without it, coupled
-verification takes `propose`'s tokens.
+Implementations (all importable from `jaxspec.decoding.drafters` and `jaxspec`):
+T5Drafter (t5.py); SharedEncoderDrafter and its stand-alone wrapper (shared_encoder.py);
+Int8Drafter (int8.py); UnigramDrafter, BigramDrafter with fit_unigram and fit_bigram
+(ngram.py); PromptLookupDrafter (prompt_lookup.py).
 
 Positions: the decoder input sequence is x_0 = 0 (start), x_j = tokens[j-1]. With
 `length` committed tokens the next token to predict is tokens[length], from the
@@ -41,11 +43,14 @@ target verifies the drafter's first tokens too, and draws no token on its own.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.sampling import SamplingConfig, argmax, sample_probs
 
@@ -90,19 +95,51 @@ def drafts_through_first(stops):
                    gamma).astype(jnp.int32)
 
 
-class Drafter(Protocol):
-  """The interface every drafter implements."""
+@dataclasses.dataclass(frozen=True)
+class DraftSources:
+  """What a drafter's params can be made from (Drafter.load_params): launchers and
+  benchmarks fill in what they have."""
+  checkpoint: str | None = None  # a T5X checkpoint of the draft's own
+  target_params: Any = None  # the target's variables {'params': ...}
+  # () -> target token sequences [n] int32 (EOS-terminated) to fit tables on; called
+  # only by drafters that fit (n-gram), so reading a corpus costs nothing otherwise.
+  train_targets: Callable[[], Sequence[np.ndarray]] | None = None
+  # A jaxspec.partitioning.Partitioner: checkpoints are read straight into the draft's
+  # shardings and other params placed replicated on its mesh. None: the default device.
+  partitioner: Any = None
+  setting: str = 'infer'  # the launcher's gin prefix, named in errors ('infer', ...)
 
-  @property
-  def vocab_size(self) -> int:
-    ...
+  def replicated(self, params):
+    """params placed replicated on the partitioner's mesh (as they are without one)."""
+    return self.partitioner.place_replicated(params) if self.partitioner else params
 
+  def require_checkpoint(self, what: str) -> str:
+    if not self.checkpoint:
+      raise ValueError(f'{what} needs {self.setting}.draft_checkpoint')
+    return self.checkpoint
+
+
+class Drafter(abc.ABC):
+  """The interface every drafter implements: three methods, and optional capabilities
+  with defaults (module docstring)."""
+
+  # The drafter's state in speculative decoding shares the target's cross-attention
+  # cache (init_state_for_decode reads target_cache).
+  shares_target_cache: ClassVar[bool] = False
+  # propose_top_branches is implemented (multi-draft trees at temperature 0).
+  proposes_top_branches: ClassVar[bool] = False
+
+  # The vocabulary drafts are drawn from (the target's): a dataclass field or a property.
+  vocab_size: int
+
+  @abc.abstractmethod
   def init_state(self, params, encoder_tokens, max_length: int) -> Any:
     """Per-generation state (e.g. an encoded cache) for encoder_tokens [b, s].
 
     max_length: decoder positions the state must hold (max_decode_length + gamma).
     """
 
+  @abc.abstractmethod
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys) -> tuple[jax.Array, jax.Array, Any]:
     """-> draft tokens [b, gamma] int32, their q [b, gamma, v] float32, new state.
@@ -112,36 +149,53 @@ class Drafter(Protocol):
     context.finished() names, may come back undrafted (token 0, q 0).
     """
 
+  def init_state_for_decode(self, params, encoder_tokens, target_encoded, max_length: int,
+                            target_cache=None):
+    """The state inside speculative decoding: target_encoded [b, s, e] is the target's
+    encoder output and target_cache its DecoderCache (None where there is none, e.g.
+    stand-alone measurements). Default: init_state, the drafter encoding by itself."""
+    del target_encoded, target_cache
+    return self.init_state(params, encoder_tokens, max_length)
 
-def init_drafter_state(drafter: Drafter, params, encoder_tokens, target_encoded,
-                       max_length: int, target_cache=None):
-  """The drafter's per-generation state; target_encoded [b, s, e] is the target's
-  encoder output, used by drafters that define `init_state_from_target`, and
-  target_cache the target's DecoderCache, by drafters that define
-  `init_state_from_target_cache`."""
-  from_cache = getattr(drafter, 'init_state_from_target_cache', None)
-  if target_cache is not None and from_cache is not None:
-    return from_cache(params, target_cache, max_length)
-  if hasattr(drafter, 'init_state_from_target'):
-    return drafter.init_state_from_target(params, encoder_tokens, target_encoded, max_length)
-  return drafter.init_state(params, encoder_tokens, max_length)
+  def propose_with_confidence(self, params, state, context: DraftContext, gamma: int,
+                              sampling: SamplingConfig, keys, stop_below: float):
+    """-> drafts [b, g], q [b, g, v], confidence [b, g], new state (adaptive gamma).
 
+    Default: propose as usual, with the largest probability of q as the confidence (1
+    for one-hot q); no steps are skipped. Drafters that decode step by step report
+    draft_confidence and may skip the steps after every row has drafted a token below
+    stop_below (those positions come back as token 0, q 0, confidence 0).
+    """
+    del stop_below
+    drafts, probs, state = self.propose(params, state, context, gamma, sampling, keys)
+    return drafts, probs, jnp.max(probs, axis=-1), state
 
-def propose_coupled(drafter: Drafter, params, state, context: DraftContext, gamma: int,
-                    sampling: SamplingConfig, position_keys, keys):
-  """-> drafts [b, g], their noise [b, g, v] or None, new state (coupled verification).
+  def propose_coupled(self, params, state, context: DraftContext, gamma: int,
+                      sampling: SamplingConfig, position_keys, keys):
+    """-> drafts [b, g], their noise [b, g, v] or None, new state (coupled verification).
 
-  position_keys [b, g]: the keys of the output positions length .. length + g - 1
-  (None at temperature 0, where drafts are argmax picks and no noise is returned).
-  Drafters that define `propose_coupled` (T5 drafters) draw each draft with its
-  position's Gumbel noise and return it; others propose as usual with keys [b] (their
-  q unused), returning no noise. Any drafts keep coupled verification exact; drafts
-  drawn with the target's noise agree with its draws more often.
-  """
-  if hasattr(drafter, 'propose_coupled'):
-    return drafter.propose_coupled(params, state, context, gamma, sampling, position_keys)
-  drafts, _, state = drafter.propose(params, state, context, gamma, sampling, keys)
-  return drafts, None, state
+    position_keys [b, g]: the keys of the output positions length .. length + g - 1
+    (None at temperature 0, where drafts are argmax picks and no noise is returned).
+    Default: propose with keys [b] (q unused), no noise. Any drafts keep coupled
+    verification exact; drafts drawn with the target's noise agree with its draws more
+    often (T5 drafters override this).
+    """
+    del position_keys
+    drafts, _, state = self.propose(params, state, context, gamma, sampling, keys)
+    return drafts, None, state
+
+  def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
+                           num_branches: int):
+    """-> tokens [b, k, gamma], q [b, k, gamma, v], state of the branches [b k]: a greedy
+    token tree (branch j starts with the draft's j-th most likely token). Only where
+    `proposes_top_branches`."""
+    raise NotImplementedError(f'{type(self).__name__} proposes no token tree '
+                              '(proposes_top_branches is False)')
+
+  def load_params(self, sources: DraftSources):
+    """The params pytree `propose` takes, from what a launcher has. Default: none."""
+    del sources
+    return ()
 
 
 def draft_confidence(logits, probs, sampling: SamplingConfig):
@@ -151,22 +205,6 @@ def draft_confidence(logits, probs, sampling: SamplingConfig):
   if sampling.is_greedy:
     return jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
   return jnp.max(probs, axis=-1)
-
-
-def propose_with_confidence(drafter: Drafter, params, state, context: DraftContext,
-                            gamma: int, sampling: SamplingConfig, keys, stop_below: float):
-  """-> drafts [b, g], q [b, g, v], confidence [b, g], new state (adaptive gamma).
-
-  Drafters that define `propose_with_confidence` (T5 drafters) report draft_confidence
-  and may skip the steps after every row has drafted a token below stop_below (those
-  positions come back as token 0, q 0, confidence 0). Others propose as usual, with
-  the largest probability of q as the confidence (1 for one-hot q).
-  """
-  if hasattr(drafter, 'propose_with_confidence'):
-    return drafter.propose_with_confidence(params, state, context, gamma, sampling, keys,
-                                           stop_below)
-  drafts, probs, state = drafter.propose(params, state, context, gamma, sampling, keys)
-  return drafts, probs, jnp.max(probs, axis=-1), state
 
 
 def draw_tokens(keys, probs, sampling: SamplingConfig):

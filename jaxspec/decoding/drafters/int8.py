@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import OMIT_AT_DEFAULT
+from jaxspec.decoding.drafters.base import DraftSources
 from jaxspec.decoding.drafters.shared_encoder import SharedEncoderDrafter
 from jaxspec.model.cache import DecoderCache, LayerCache
 from jaxspec.model.quantization import int8_decoder
@@ -43,6 +44,8 @@ class Int8Drafter(SharedEncoderDrafter):
   encoder_dim: int = 0
   weights: str = dataclasses.field(default='int8', metadata=OMIT_AT_DEFAULT)
 
+  shares_target_cache = True  # init_state_for_decode reads the target's cross cache.
+
   def __post_init__(self):
     if self.weights != 'int8':
       raise ValueError(f"an int8 draft has int8 weights; got weights={self.weights!r}")
@@ -58,6 +61,26 @@ class Int8Drafter(SharedEncoderDrafter):
   def draft_params(target_params: Mapping[str, Any]):
     """The draft's {'params'} on the default device, made from the target's variables."""
     return jax.device_put(int8_decoder(target_params))
+
+  def load_params(self, sources: DraftSources):
+    """Made from the target's params (no checkpoint of its own); replicated with a
+    partitioner."""
+    if sources.checkpoint:
+      raise ValueError('an int8 draft is made from the target checkpoint; unset '
+                       f'{sources.setting}.draft_checkpoint ({sources.checkpoint!r})')
+    if sources.target_params is None:
+      raise ValueError("an int8 draft needs the target's params")
+    if sources.partitioner:
+      return sources.replicated(int8_decoder(jax.device_get(sources.target_params)))
+    return self.draft_params(sources.target_params)
+
+  def init_state_for_decode(self, params, encoder_tokens, target_encoded, max_length: int,
+                            target_cache=None):
+    """From the target's cache where there is one (its cross-attention keys/values
+    shared), else from the target's encoding."""
+    if target_cache is not None:
+      return self.init_state_from_target_cache(params, target_cache, max_length)
+    return self.init_state_from_target(params, encoder_tokens, target_encoded, max_length)
 
   def init_state_from_target_cache(self, params, target_cache: DecoderCache,
                                    max_length: int) -> DecoderCache:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import PAD_ID
-from jaxspec.decoding.drafters.base import DraftContext, draw_tokens
+from jaxspec.decoding.drafters.base import DraftContext, Drafter, DraftSources, draw_tokens
 from jaxspec.sampling import SamplingConfig, standardize
 
 DEFAULT_SMOOTHING = 0.01  # Lidstone: small, so q stays close to the observed counts.
@@ -90,6 +90,14 @@ def _position_keys(keys, gamma: int):
   return jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, gamma))(keys), 0, 1)
 
 
+def _train_targets(sources: DraftSources):
+  if sources.train_targets is None:
+    raise ValueError(f'n-gram drafters are fitted on a shipped corpus ({sources.setting}.corpus); '
+                     'with a seqio task other than jaxspec_*_local use a T5 drafter '
+                     'or prompt lookup')
+  return sources.train_targets()
+
+
 def _check_table(params, vocab_size: int, ndim: int, name: str):
   expected = (vocab_size,) * ndim
   if tuple(params.shape) != expected:
@@ -97,12 +105,16 @@ def _check_table(params, vocab_size: int, ndim: int, name: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class UnigramDrafter:
+class UnigramDrafter(Drafter):
   """Drafts each token independently from one distribution; params: logits [v]."""
   vocab_size: int
 
   def init_state(self, params, encoder_tokens, max_length: int):
     return ()
+
+  def load_params(self, sources: DraftSources):
+    """The table fitted on the target token sequences sources.train_targets gives."""
+    return sources.replicated(fit_unigram(_train_targets(sources), self.vocab_size))
 
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys):
@@ -117,12 +129,16 @@ class UnigramDrafter:
 
 
 @dataclasses.dataclass(frozen=True)
-class BigramDrafter:
+class BigramDrafter(Drafter):
   """Drafts a chain d_1 | x_length, d_2 | d_1, ...; params: logits [v, v], row = previous."""
   vocab_size: int
 
   def init_state(self, params, encoder_tokens, max_length: int):
     return ()
+
+  def load_params(self, sources: DraftSources):
+    """The table fitted on the target token sequences sources.train_targets gives."""
+    return sources.replicated(fit_bigram(_train_targets(sources), self.vocab_size))
 
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys):

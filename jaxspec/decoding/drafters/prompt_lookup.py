@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import PAD_ID
-from jaxspec.decoding.drafters.base import DraftContext
+from jaxspec.decoding.drafters.base import DraftContext, Drafter
 from jaxspec.sampling import SamplingConfig
 
 
@@ -76,7 +76,7 @@ def copy_forward(history, history_length, match_end, gamma: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
   """Copies the continuation of the latest earlier n-gram match; no params, no state."""
   vocab_size: int
   ngram_size: int = 3  # Longest suffix searched for.

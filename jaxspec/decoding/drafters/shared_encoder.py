@@ -18,8 +18,9 @@ import dataclasses
 
 import jax
 
+from jaxspec.checkpoints import shared_encoder_draft as shared_encoder_checkpoints
 from jaxspec.config import OMIT_AT_DEFAULT, T5Config
-from jaxspec.decoding.drafters.base import DraftContext
+from jaxspec.decoding.drafters.base import DraftContext, Drafter, DraftSources
 from jaxspec.decoding.drafters.t5 import CachedDecoderDrafter
 from jaxspec.model import T5
 from jaxspec.model.cpu import layout as kernel_layout
@@ -79,6 +80,19 @@ class SharedEncoderDrafter(CachedDecoderDrafter):
     return self.model().apply(params, target_encoded, encoder_tokens, max_length,
                               method=SharedEncoderDraft.init_cache)
 
+  def init_state_for_decode(self, params, encoder_tokens, target_encoded, max_length: int,
+                            target_cache=None):
+    """The draft's cache over the target's encoding (init_state_from_target)."""
+    del target_cache
+    return self.init_state_from_target(params, encoder_tokens, target_encoded, max_length)
+
+  def load_params(self, sources: DraftSources):
+    """The draft's own checkpoint (T5X legacy layout, no encoder), as decoding_params
+    makes it (int8 where `weights` says so); replicated with a partitioner."""
+    checkpoint = sources.require_checkpoint('a shared-encoder drafter')
+    return sources.replicated(self.decoding_params(shared_encoder_checkpoints.load(
+        checkpoint, self.config, self.encoder_dim, dtype=self.config.param_dtype)))
+
   def _decoder(self, params):
     """decode(tokens [b, k], cache) -> (logits [b, k, v], cache) of the draft decoder."""
     model = self.model()
@@ -91,7 +105,7 @@ class SharedEncoderDrafter(CachedDecoderDrafter):
 
 
 @dataclasses.dataclass(frozen=True)
-class SharedEncoderDrafterWithTarget:
+class SharedEncoderDrafterWithTarget(Drafter):
   """`drafter` made stand-alone: params {'draft': draft variables, 'target': the
   target's variables}; `init_state` runs the target's encoder. Inside speculative
   decoding `init_state_from_target` reuses the target's encoding instead.
@@ -121,13 +135,20 @@ class SharedEncoderDrafterWithTarget:
                                                target_encoded, max_length)
 
   @property
-  def init_state_from_target_cache(self):
-    """The drafter's own, reading params['draft'], where it shares the target's
-    cross-attention cache (the int8 draft); None otherwise."""
-    if not hasattr(self.drafter, 'init_state_from_target_cache'):
-      return None
-    return lambda params, target_cache, max_length: (  # noqa: E731
-        self.drafter.init_state_from_target_cache(params['draft'], target_cache, max_length))
+  def shares_target_cache(self) -> bool:
+    """The wrapped drafter's: True for the int8 draft."""
+    return self.drafter.shares_target_cache
+
+  @property
+  def proposes_top_branches(self) -> bool:
+    return self.drafter.proposes_top_branches
+
+  def init_state_for_decode(self, params, encoder_tokens, target_encoded, max_length: int,
+                            target_cache=None):
+    """The wrapped drafter's, reading params['draft']: the target's cross-attention
+    cache for the int8 draft, the encoding otherwise."""
+    return self.drafter.init_state_for_decode(params['draft'], encoder_tokens, target_encoded,
+                                              max_length, target_cache)
 
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys):
@@ -139,9 +160,9 @@ class SharedEncoderDrafterWithTarget:
                                                 sampling, keys, stop_below)
 
   def propose_coupled(self, params, state, context: DraftContext, gamma: int,
-                      sampling: SamplingConfig, position_keys):
+                      sampling: SamplingConfig, position_keys, keys=None):
     return self.drafter.propose_coupled(params['draft'], state, context, gamma, sampling,
-                                        position_keys)
+                                        position_keys, keys)
 
   def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
                            num_branches: int):

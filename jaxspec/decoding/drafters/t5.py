@@ -7,18 +7,22 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxspec import inference
 from jaxspec.config import T5Config
-from jaxspec.decoding.drafters.base import DraftContext, draft_confidence, draw_tokens
+from jaxspec.decoding.drafters.base import (DraftContext, Drafter, DraftSources,
+                                            draft_confidence, draw_tokens)
 from jaxspec.model import T5, DecoderCache, repeat_rows, rollback
 from jaxspec.model.sharding import DRAFT
 from jaxspec.sampling import SamplingConfig, argmax, position_noise, standardize
 from jaxspec.decoding.verification.coupled import coupled_tokens
 
 
-class CachedDecoderDrafter:
+class CachedDecoderDrafter(Drafter):
   """The proposal routes of a drafter that decodes with a cached decoder: subclasses
   define `_decoder(params)` -> decode(tokens [b, k], cache) -> (logits [b, k, v], cache)
   and keep their DecoderCache as the drafter state."""
+
+  proposes_top_branches = True
 
   def _decoder(self, params):
     raise NotImplementedError
@@ -35,9 +39,10 @@ class CachedDecoderDrafter:
                                 stop_below)
 
   def propose_coupled(self, params, state, context: DraftContext, gamma: int,
-                      sampling: SamplingConfig, position_keys):
+                      sampling: SamplingConfig, position_keys, keys=None):
     """propose, each draft drawn with its position's Gumbel noise (coupled
-    verification): -> tokens [b, gamma], noise [b, gamma, v], state."""
+    verification): -> tokens [b, gamma], noise [b, gamma, v], state. keys unused."""
+    del keys
     return propose_coupled_from_decoder(self._decoder(params), state, context, gamma,
                                         sampling, position_keys)
 
@@ -72,6 +77,14 @@ class T5Drafter(CachedDecoderDrafter):
     """decode(tokens [b, k], cache) -> (logits [b, k, v], cache) of this draft model."""
     model = T5(self.config, role=DRAFT)
     return lambda tokens, cache: model.apply(params, tokens, cache, method=T5.decode)
+
+  def load_params(self, sources: DraftSources):
+    """The draft's own T5X checkpoint, laid out for decoding (sharded with a
+    partitioner)."""
+    checkpoint = sources.require_checkpoint('a T5 drafter')
+    if sources.partitioner:
+      return sources.partitioner.load_params(checkpoint, self.config, draft=True)
+    return inference.load_model_params(checkpoint, self.config, for_decoding=True)
 
 
 def consume_last_inputs(decode, cache: DecoderCache, context: DraftContext):

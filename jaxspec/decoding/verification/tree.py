@@ -140,7 +140,7 @@ def uses_tree(drafter: Drafter, num_drafts: int, sampling: SamplingConfig) -> bo
   """Whether multi-draft verification runs: k > 1, and at temperature 0 a drafter that
   proposes a top-k tree (k i.i.d. greedy drafts would be k copies of one draft, so
   other drafters decode as with k = 1, which gives the same output)."""
-  return num_drafts > 1 and (not sampling.is_greedy or hasattr(drafter, 'propose_top_branches'))
+  return num_drafts > 1 and (not sampling.is_greedy or drafter.proposes_top_branches)
 
 
 def select_branch_state(branch_state, branch, num_drafts: int):

@@ -22,6 +22,7 @@ XLA's.
   matmuls_int8(x, pairs, kernel)     matmul_int8 against 2 or 3 (w_q, scale) pairs in ONE
                                      call (the rows quantized once)
   kernel_available()                 builds (once) and registers the kernel; False if not
+  kernel_status(cpu_matmul)          'kernel (avx512)' or 'XLA (why)': what steps use here
 
 Where it applies: float32 operands (int8 weights for matmul_int8), at most MAX_ROWS rows (the product of x's leading
 dims), JAX's default backend is the CPU, and `T5Config.cpu_matmul == 'kernel'`.
@@ -200,7 +201,24 @@ def kernel_available() -> bool:
   return True
 
 
+_UNAVAILABLE_REASON: list[str] = []  # Why kernel_available() said False, once it has.
+
+
+def kernel_status(cpu_matmul: str = KERNEL) -> str:
+  """What decode steps use here, in words: 'kernel (avx512)' / 'kernel (avx2)', or
+  'XLA (...)' with the reason (the setting, the platform, or why the kernel is
+  unavailable). Launchers report it so a lost kernel is never silent."""
+  if cpu_matmul != KERNEL:
+    return f'XLA (T5Config.cpu_matmul={cpu_matmul!r})'
+  if jax.default_backend() != 'cpu':
+    return f'XLA (platform {jax.default_backend()}: the kernel is CPU-only)'
+  if kernel_available():
+    return f'kernel ({kernel_isa()})'
+  return f'XLA (kernel unavailable: {_UNAVAILABLE_REASON[-1]})'
+
+
 def _unavailable(reason: str) -> bool:
+  _UNAVAILABLE_REASON.append(reason)
   warnings.warn(f'jaxspec CPU matmul kernel unavailable ({reason}); decode steps use '
                 "XLA's matmul (same results up to rounding, slower verify steps)",
                 RuntimeWarning, stacklevel=3)
