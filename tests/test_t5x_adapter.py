@@ -213,7 +213,7 @@ def _speculative_model(weights, **overrides):
 def test_import_without_t5x_and_a_clear_error_naming_it(monkeypatch):
   code = ('import sys\n'
           'sys.modules["t5x"] = None  # As if not installed, even where it is.\n'
-          'from jaxspec import t5x_adapter\n'
+          'from jaxspec.integrations import t5x as t5x_adapter\n'
           'assert "t5x.models" not in sys.modules\n'
           'assert callable(t5x_adapter.temperature_sample)\n')
   subprocess.run([sys.executable, '-c', code], check=True)
@@ -325,7 +325,7 @@ def test_gin_lines_from_the_readme_resolve(fake_t5x, weights):
   config = '\n'.join([
       'from __gin__ import dynamic_registration',
       'from t5x import models',
-      'from jaxspec import t5x_adapter',
+      'from jaxspec.integrations import t5x as t5x_adapter',
       'models.EncoderDecoderModel.decode_fn = @t5x_adapter.temperature_sample',
       't5x_adapter.temperature_sample.temperature = 0.0',
       'MODEL = @t5x_adapter.SpeculativeEncoderDecoderModel()',

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxspec.config import T5Config
 from jaxspec.model import abstract_params
-from jaxspec.model.layers import KERNEL, KERNEL_T
+from jaxspec.model.layers import KERNEL_PARAM, KERNEL_T_PARAM
 
 
 def flatten_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -32,8 +32,8 @@ def _shape(leaf) -> tuple[int, ...]:
 def _t5x_path_and_shape(path: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
   """A transposed kernel's path and shape as T5X's (kernel_t [out, in] -> kernel [in, out])."""
   head, _, name = path.rpartition('/')
-  if name == KERNEL_T:
-    return f'{head}/{KERNEL}', shape[::-1]
+  if name == KERNEL_T_PARAM:
+    return f'{head}/{KERNEL_PARAM}', shape[::-1]
   return path, shape
 
 

@@ -17,7 +17,7 @@ which imports `t5x.models`. The T5X-free pieces (`t5config_from_t5x_network_conf
 `sampling_config_from_t5x`, `as_drafter`, `speculative_predict`) work without it.
 
 Gin: with T5X's `from __gin__ import dynamic_registration`, a gin file that says
-`from jaxspec import t5x_adapter` can reference `@t5x_adapter.temperature_sample`
+`from jaxspec.integrations import t5x as t5x_adapter` can reference `@t5x_adapter.temperature_sample`
 and `@t5x_adapter.SpeculativeEncoderDecoderModel()`; gin registers them then. This
 module never calls gin. README.md ("Using jaxspec from T5X") has the gin lines.
 """

@@ -21,8 +21,8 @@ from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_
                                     constrain)
 
 NEG_INF = -1e10  # Additive mask value, as T5X.
-KERNEL = 'kernel'  # A Dense kernel in T5X's layout [in, out].
-KERNEL_T = 'kernel_t'  # The same kernel transposed, [out, in] (jaxspec.model.cpu.layout).
+KERNEL_PARAM = 'kernel'  # A Dense kernel in T5X's layout [in, out].
+KERNEL_T_PARAM = 'kernel_t'  # The same kernel transposed, [out, in] (jaxspec.model.cpu.layout).
 # An int8 kernel [out, in] and its float32 scale per output (jaxspec.model.quantization).
 KERNEL_INT8 = 'kernel_int8'
 KERNEL_SCALE = 'kernel_scale'
@@ -74,25 +74,25 @@ class Dense(nn.Module):
                                jnp.int8)
       scale = self.param(KERNEL_SCALE, _existing, (self.features,), jnp.float32)
       return cpu_matmul.matmul_int8(x, kernel_int8, scale, self.config.cpu_matmul).astype(dtype)
-    if self.has_variable('params', KERNEL_T):
-      kernel_t = param_with_axes(KERNEL_T, _transposed_init(self.kernel_init),
+    if self.has_variable('params', KERNEL_T_PARAM):
+      kernel_t = param_with_axes(KERNEL_T_PARAM, _transposed_init(self.kernel_init),
                                  (self.features, x.shape[-1]), param_dtype,
                                  axes=self.kernel_axes[::-1])
       return cpu_matmul.matmul_transposed(x.astype(dtype), kernel_t.astype(dtype),
                                           self.config.cpu_matmul)
-    kernel = param_with_axes(KERNEL, self.kernel_init, (x.shape[-1], self.features),
+    kernel = param_with_axes(KERNEL_PARAM, self.kernel_init, (x.shape[-1], self.features),
                              param_dtype, axes=self.kernel_axes)
     return jnp.dot(x.astype(dtype), kernel.astype(dtype))
 
   def decode_weights(self):
     """The params this projection decodes with, read without declaring them:
-    (KERNEL_INT8, kernel_int8, kernel_scale), (KERNEL_T, kernel_t), or None (T5X's
+    (KERNEL_INT8, kernel_int8, kernel_scale), (KERNEL_T_PARAM, kernel_t), or None (T5X's
     layout, or params not made yet: init)."""
     if self.has_variable('params', KERNEL_INT8):
       return (KERNEL_INT8, self.get_variable('params', KERNEL_INT8),
               self.get_variable('params', KERNEL_SCALE))
-    if self.has_variable('params', KERNEL_T):
-      return (KERNEL_T, self.get_variable('params', KERNEL_T))
+    if self.has_variable('params', KERNEL_T_PARAM):
+      return (KERNEL_T_PARAM, self.get_variable('params', KERNEL_T_PARAM))
     return None
 
 
@@ -103,7 +103,7 @@ def project_together(x, projections, config: T5Config):
   matmuls_int8: results bit-identical to separate calls), else each on its own."""
   weights = [projection.decode_weights() for projection in projections]
   dtype = config.compute_dtype
-  if all(w is not None and w[0] == KERNEL_T for w in weights):
+  if all(w is not None and w[0] == KERNEL_T_PARAM for w in weights):
     return cpu_matmul.matmuls_transposed(
         x.astype(dtype), [w[1].astype(dtype) for w in weights], config.cpu_matmul)
   if all(w is not None and w[0] == KERNEL_INT8 for w in weights):

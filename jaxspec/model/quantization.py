@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxspec.model.cpu.layout import transposed_kernels
 from jaxspec.model.layers import (EMBEDDING_INT8, EMBEDDING_SCALE, KERNEL_INT8, KERNEL_SCALE,
-                                  KERNEL_T)
+                                  KERNEL_T_PARAM)
 
 INT8_MAX = 127
 # Kernels used only once per input (cross-attention keys and values of the encoding):
@@ -62,7 +62,7 @@ def _quantize_tree(tree: Mapping[str, Any], path: tuple[str, ...]) -> dict:
   for key, value in tree.items():
     if isinstance(value, Mapping):
       out[key] = _quantize_tree(value, path + (key,))
-    elif key == KERNEL_T and path[-2:] not in ENCODING_PROJECTIONS:
+    elif key == KERNEL_T_PARAM and path[-2:] not in ENCODING_PROJECTIONS:
       out[KERNEL_INT8], out[KERNEL_SCALE] = quantize_rows(value)
     elif key == 'embedding' and path[-1:] == ('token_embedder',):
       out[EMBEDDING_INT8], out[EMBEDDING_SCALE] = quantize_rows(value)

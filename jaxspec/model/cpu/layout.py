@@ -4,7 +4,7 @@ T5X stores every projection kernel as `kernel` [in, out]. On XLA:CPU a decode st
 over a few positions (a verify step, k = 2..9) runs x [k, in] @ kernel [in, out]
 through a matmul path that costs about 2x the one-position step's, while the same
 product computed as kernel_t [out, in] @ x^T costs close to the one-position step
-(`scripts/step_costs.py` measures both; docs/design.md has the numbers). The one-position step
+(`scripts/step_costs.py` measures both; docs/performance.md has the numbers). The one-position step
 costs the same in either layout, and on TPU/GPU XLA lays matmul operands out itself.
 
 The layout belongs to the params tree and names itself: a transposed kernel is stored
@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from jaxspec.model.layers import KERNEL, KERNEL_T
+from jaxspec.model.layers import KERNEL_PARAM, KERNEL_T_PARAM
 
 T5X = 't5x'  # kernel [in, out]
 TRANSPOSED = 'transposed'  # kernel_t [out, in]
@@ -82,18 +82,18 @@ def transposed_kernels(params: Mapping[str, Any]) -> dict:
   params: the 'params' collection or variables {'params', 'params_axes'?}. Kernels
   already transposed stay so, so the call is idempotent.
   """
-  return _convert(params, KERNEL, KERNEL_T)
+  return _convert(params, KERNEL_PARAM, KERNEL_T_PARAM)
 
 
 def t5x_kernels(params: Mapping[str, Any]) -> dict:
   """Every `kernel_t` [out, in] back to T5X's `kernel` [in, out] (idempotent)."""
-  return _convert(params, KERNEL_T, KERNEL)
+  return _convert(params, KERNEL_T_PARAM, KERNEL_PARAM)
 
 
 def has_transposed_kernels(params: Mapping[str, Any]) -> bool:
   """Whether any kernel of the tree is stored as `kernel_t`."""
   found = []
-  _rename_kernels(params, KERNEL_T, KERNEL_T, lambda leaf: found.append(leaf) or leaf)
+  _rename_kernels(params, KERNEL_T_PARAM, KERNEL_T_PARAM, lambda leaf: found.append(leaf) or leaf)
   return bool(found)
 
 

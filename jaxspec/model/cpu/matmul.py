@@ -2,7 +2,7 @@
 
 A decode step multiplies 1..gamma+1 positions by every weight matrix. XLA:CPU runs one
 row at memory speed but 2..9 rows through a matrix-matrix path that costs about twice
-as much, so a verify step costs ~2x a one-position step (docs/design.md, "Kernel layout
+as much, so a verify step costs ~2x a one-position step (docs/performance.md, "Kernel layout
 and the cost of a verify step"). `cpu_kernels/few_row_matmul.cc` is an XLA FFI handler
 that reads each weight once and keeps every row in registers (AVX2 + FMA, or AVX-512
 where the CPU has it: `kernel_isa`; the outputs split across the kernel's helper

@@ -4,7 +4,7 @@
 // drafts (JaxspecFewRowMatmulInt8, below). A decode step multiplies 1..9 positions by each
 // weight matrix; XLA:CPU runs 2..9 rows several times slower than one row (its
 // matrix-matrix path), while this kernel reads w once and keeps every row in registers,
-// so k rows cost little more than one (jaxspec.model.cpu.matmul; docs/design.md).
+// so k rows cost little more than one (jaxspec.model.cpu.matmul; docs/performance.md).
 //
 // Exactness: every output accumulates over i in the same order (one vector accumulator
 // per output, lane i % kLanes, then a fixed horizontal sum, then the scalar tail),
