@@ -2,19 +2,24 @@
 
 `temperature_sample` is T5X's `decoding.temperature_sample` (google-research/t5x
 `t5x/decoding.py`): the same arguments, the same loop state (`SamplingLoopState`,
-`DecodingState`, T5X's field names and shapes) and the same results. Given T5X's
-arguments it draws the same tokens from the same key: one PRNG key split every step and
-`jax.random.categorical`'s draw over the whole flattened batch (`sampling.categorical`,
-draw for draw). Prompts are forced tokens (non-zero inputs), `initial_index` starts rows
-at uneven prompt lengths after a prefilled cache, temperature / topk / topp may be traced
-or per input row, callbacks see and edit the loop state, `num_decodes` flattens the
-batch as [batch * num_decodes] (each input's copies adjacent) in the inputs and the
-cache. Places where T5X's behaviour looks unintended are matched and marked "T5X quirk"
-below.
+`DecodingState`, T5X's field names and shapes) and the same results, in T5X's structure
+(`temperature_sample` repeats the inputs and the cache through `cache_map` and calls
+`_temperature_sample_single_trial` on the flattened batch), so T5X's mocks of those
+apply. Given T5X's one key it draws T5X's tokens, bit for bit: `jax.random.split` of the
+loop key every step and `jax.random.categorical`'s draw over the whole flattened batch,
+both looked up on jax.random when called, as T5X does, so a user's mock of either
+applies (`_t5x_categorical`; unmocked, the same values come from `sampling.categorical`).
+Prompts are forced tokens (non-zero inputs), `initial_index` starts rows at uneven
+prompt lengths after a prefilled cache, temperature / topk / topp may be traced or per
+input row, callbacks see and edit the loop state, `num_decodes` flattens the batch as
+[batch * num_decodes] (each input's copies adjacent) in the inputs and the cache. Places
+where T5X's behaviour looks unintended are matched and marked "T5X quirk" below.
 
 jaxspec extension: `decode_rng` may hold one key per decoded row
 ([batch * num_decodes]); row r then samples step i with fold_in(key_r, i), so its
-samples never depend on the other rows (what `generate` does). T5X accepts one key.
+samples never depend on the other rows (what `generate` does), drawn by
+`sampling.categorical` (jax.random.categorical's draw with jaxspec.prng's unrolled
+threefry, faster on CPU). T5X accepts one key.
 
 `generate` runs jaxspec's own loop on a jaxspec T5: encode once, cross-attention
 keys/values cached once, one cached decode step per token, all inside one `jax.jit`.
@@ -39,6 +44,9 @@ from jaxspec.decoding import common
 from jaxspec.model import T5, rollback
 from jaxspec.sampling import (MIN_TEMPERATURE, SamplingConfig, argmax, categorical,
                               nonfinite_logits, sample_logits, token_log_probs)
+
+# jax.random.categorical as JAX defines it, taken when jaxspec is imported.
+_JAX_CATEGORICAL = jax.random.categorical
 
 # T5X's constants: masked logits are set to -1e7; the temperature floor is a float64
 # numpy scalar there, which fixes how the division below rounds and promotes.
@@ -133,6 +141,22 @@ def _top_p_mask(logits, topp):
   return jnp.where(probs >= cut, logits, T5X_NEG_INF)
 
 
+def _t5x_categorical(key, logits):
+  """T5X's draw, `random.categorical(key, logits).astype(int32)`: logits [r, v] -> [r].
+
+  T5X looks `categorical` up on the jax.random module at every call (as it does `split`,
+  which the loop here calls as T5X does), so a user's mock or wrapper of
+  jax.random.categorical takes T5X's draws; then it is called here too, with T5X's
+  arguments. While JAX's own function stands there (never mocked), its values are drawn
+  by `sampling.categorical`: the same Gumbel noise from the key and the same
+  first-largest pick, draw for draw, with jaxspec.prng's unrolled threefry and
+  sampling.argmax (a draw over [8, 8000] logits ~2.7x faster on XLA:CPU).
+  """
+  if jax.random.categorical is _JAX_CATEGORICAL:
+    return categorical(key, logits)
+  return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
 def _gather(log_probs, tokens):
   """log_probs [r, v], tokens [r] -> [r]."""
   return jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
@@ -162,15 +186,18 @@ def _draw(logits, key, temperature, topk, topp, rescale_log_probs: bool, per_row
     scaled = _top_k_mask(scaled, topk)
   if _is_nonzero(topp):  # T5X: a traced topp is always applied, even when it is 0.
     scaled = _top_p_mask(scaled, topp)
-  if per_row_keys:
+  if per_row_keys:  # jaxspec's per-row keys (no T5X counterpart).
     tokens = jax.vmap(categorical)(key, scaled)
   elif temperature.ndim:
     # T5X quirk: with one temperature per row T5X samples each row on its own with the
     # SAME key, so rows with equal logits (the num_decodes copies of an input) draw
-    # equal tokens. Matched: every row reuses `key` for a [1, v] draw.
-    tokens = jax.vmap(lambda row: categorical(key, row[None])[0])(scaled)
+    # equal tokens. Matched: every row reuses `key` for a [1, v] draw, under vmap, by
+    # jax.random.categorical itself (sampling.categorical drew token v, out of range,
+    # for some rows of this form under XLA:CPU --xla_backend_optimization_level=0).
+    tokens = jax.vmap(
+        lambda row: jax.random.categorical(key, row[None]).astype(jnp.int32)[0])(scaled)
   else:
-    tokens = categorical(key, scaled)
+    tokens = _t5x_categorical(key, scaled)
   log_probs = _gather(jax.nn.log_softmax(scaled if rescale_log_probs else logits), tokens)
   if static:
     return tokens, log_probs
@@ -187,6 +214,35 @@ def _cache_leaf_name(path) -> str | None:
   return None
 
 
+def cache_map(fn, cache, apply_to_index: bool = False):
+  """T5X's `decoding.cache_map`: fn applied to every cache leaf but those T5X shares
+  across decodes: `cached_bias`, `position_embedder_index`, and `cache_index` unless
+  apply_to_index (a prefilled cache's per-row index). Leaves are named by their last
+  path entry (a dict key or a dataclass field), so jaxspec's cache dataclasses work as
+  T5X's nested dicts do; a FrozenDict stays frozen.
+  """
+  frozen = isinstance(cache, flax.core.FrozenDict)
+  tree = flax.core.unfreeze(cache) if frozen else cache
+
+  def apply(path, leaf):
+    name = _cache_leaf_name(path)
+    if name in _SHARED_CACHE_LEAVES or (name == 'cache_index' and not apply_to_index):
+      return leaf
+    return fn(leaf)
+
+  mapped = jax.tree_util.tree_map_with_path(apply, tree)
+  return flax.core.freeze(mapped) if frozen else mapped
+
+
+def _repeat_rows(leaf, num_decodes: int, offset: int = 0):
+  """[..., b, ...] (batch axis `offset`) -> [..., b * num_decodes, ...], each row's
+  copies adjacent (T5X's flat_batch_beam_expand). Leaves without a batch axis
+  (scalars) are returned as they are; T5X would fail on them."""
+  if jnp.ndim(leaf) <= offset:
+    return leaf
+  return jnp.repeat(leaf, num_decodes, axis=offset)
+
+
 def expand_cache(cache, num_decodes: int, cache_offset: int = 0, expand_index: bool = False):
   """Repeats every cache row num_decodes times in place ([b, ...] -> [b * n, ...]).
 
@@ -195,19 +251,9 @@ def expand_cache(cache, num_decodes: int, cache_offset: int = 0, expand_index: b
   shared, and `cache_index` too unless expand_index (a prefilled cache's per-row index).
   Leaves without a batch axis (scalars) are shared; T5X would fail on them.
   """
-  frozen = isinstance(cache, flax.core.FrozenDict)
-  tree = flax.core.unfreeze(cache) if frozen else cache
-
-  def expand(path, leaf):
-    name = _cache_leaf_name(path)
-    if name in _SHARED_CACHE_LEAVES or (name == 'cache_index' and not expand_index):
-      return leaf
-    if jnp.ndim(leaf) <= cache_offset:
-      return leaf
-    return jnp.repeat(leaf, num_decodes, axis=cache_offset)
-
-  expanded = jax.tree_util.tree_map_with_path(expand, tree)
-  return flax.core.freeze(expanded) if frozen else expanded
+  return cache_map(functools.partial(_repeat_rows, num_decodes=num_decodes,
+                                     offset=cache_offset),
+                   cache, apply_to_index=expand_index)
 
 
 def _is_single_key(rng) -> bool:
@@ -217,13 +263,11 @@ def _is_single_key(rng) -> bool:
   return rng.ndim == 1
 
 
-def _max_decode_lengths(inputs, max_decode_steps, max_decode_steps_hard_limit):
+def _max_decode_lengths(inputs, max_decode_steps):
   """The last position each row may fill: L, or [r] prompt length + max_decode_steps."""
   length = inputs.shape[1]
   if max_decode_steps is None:
     return length
-  if (max_decode_steps_hard_limit is not None and max_decode_steps_hard_limit > 0):
-    max_decode_steps = jnp.minimum(max_decode_steps, max_decode_steps_hard_limit)
   if not _is_tracer(max_decode_steps) and np.any(np.asarray(max_decode_steps) > length):
     raise ValueError(f'max_decode_steps ({max_decode_steps}) exceeds the decode length '
                      f'{length} (inputs.shape[1])')
@@ -309,7 +353,7 @@ def temperature_sample(inputs, cache, tokens_to_logits: Callable, eos_id: int,
 
   inputs [B, L] int32, shifted right: position 0 holds the start token and non-zero
   entries are forced prompt tokens. cache: the decoder cache for batch B, repeated in
-  place for the n = num_decodes samples (`expand_cache`; batch axis `cache_offset`).
+  place for the n = num_decodes samples (`cache_map`; batch axis `cache_offset`).
   tokens_to_logits(DecodingState) -> (logits [B*n, V], new cache). decode_rng: one key
   (T5X's stream), or [B*n] per-row keys (jaxspec). temperature: a number or [B]
   (per input row), maybe traced; <= 1e-4 is argmax. topk: 0 disables; topp: 0 disables;
@@ -320,47 +364,88 @@ def temperature_sample(inputs, cache, tokens_to_logits: Callable, eos_id: int,
   or the raw softmax. state_callback_fn(SamplingLoopState) -> SamplingLoopState runs
   before every step and on the final state; logit_callback_fn(logits, state) -> logits.
   Each input's decodes are sorted by log-prob, best last.
+
+  As in T5X, the rows are expanded here and decoded by `_temperature_sample_single_trial`,
+  both looked up in this module when called (as T5X's tests mock them).
   """
-  if not (_is_tracer(topp) or _is_tracer(topk)) and _is_nonzero(topp) and _is_nonzero(topk):
-    raise ValueError(f'at most one of topk ({topk}) and topp ({topp}) may be non-zero')
   inputs = jnp.asarray(inputs).astype(jnp.int32)
   if inputs.ndim != 2:
     raise ValueError(f'inputs must be [batch, length], got shape {inputs.shape}')
   batch = inputs.shape[0]
+  if initial_index is not None:
+    initial_index = jnp.asarray(initial_index)
+    if initial_index.shape != (batch,):
+      raise ValueError(f'initial_index must be [batch] = ({batch},), got shape '
+                       f'{initial_index.shape}')
+  if decode_rng is None:
+    decode_rng = jax.random.PRNGKey(0)
+  if not _is_single_key(decode_rng) and jnp.shape(decode_rng)[0] != batch * num_decodes:
+    raise ValueError(f'decode_rng must be one PRNG key or one per decoded row '
+                     f'(batch * num_decodes = {batch * num_decodes}); got shape '
+                     f'{jnp.shape(decode_rng)}')
+  if (max_decode_steps is not None and max_decode_steps_hard_limit is not None
+      and max_decode_steps_hard_limit > 0):
+    max_decode_steps = jnp.minimum(max_decode_steps, max_decode_steps_hard_limit)
+  if num_decodes > 1:
+    expanded_inputs = jnp.repeat(inputs, num_decodes, axis=0)  # [B*n, L], copies adjacent
+    # A prefilled cache (initial_index given) holds a per-row cache_index: repeated too.
+    expanded_cache = cache_map(
+        functools.partial(_repeat_rows, num_decodes=num_decodes, offset=cache_offset),
+        cache, apply_to_index=initial_index is not None)
+    if initial_index is not None:
+      initial_index = jnp.repeat(initial_index, num_decodes)
+  else:
+    expanded_inputs, expanded_cache = inputs, cache
+  expanded_decodes, expanded_log_prob = _temperature_sample_single_trial(
+      expanded_inputs, expanded_cache, tokens_to_logits, eos_id, decode_rng, num_decodes,
+      temperature, topk, topp, initial_index=initial_index,
+      max_decode_steps=max_decode_steps, rescale_log_probs=rescale_log_probs,
+      state_callback_fn=state_callback_fn, logit_callback_fn=logit_callback_fn)
+  decodes = jnp.reshape(expanded_decodes, (batch, num_decodes, -1))  # [B, n, L]
+  scores = jnp.reshape(expanded_log_prob, (batch, num_decodes))  # [B, n]
+  order = jnp.argsort(scores, axis=-1)  # ascending: best last
+  return (jnp.take_along_axis(decodes, order[:, :, None], axis=1),
+          jnp.take_along_axis(scores, order, axis=-1))
+
+
+def _temperature_sample_single_trial(inputs, cache, tokens_to_logits: Callable, eos_id: int,
+                                     prng_key, num_decodes: int = 1, temperature=1.0,
+                                     topk=20, topp=0.0, initial_index=None,
+                                     max_decode_steps=None, rescale_log_probs: bool = True,
+                                     state_callback_fn: Callable | None = None,
+                                     logit_callback_fn: Callable | None = None):
+  """T5X's `decoding._temperature_sample_single_trial`: the sampling loop over the
+  flattened rows r = B * num_decodes, unsorted: (sequences [r, L], log_prob [r]).
+
+  inputs [r, L] and the cache are already repeated (`temperature_sample` does it);
+  temperature, topk, topp: a number or one per input row [B] (repeated here for the
+  num_decodes copies, as T5X repeats the temperature); initial_index [r]; prng_key: one
+  key, or [r] per-row keys. T5X's defaults (topk=20) and its check that topk and topp
+  are not both non-zero.
+  """
+  if not (_is_tracer(topp) or _is_tracer(topk)) and _is_nonzero(topp) and _is_nonzero(topk):
+    raise ValueError(f'at most one of topk ({topk}) and topp ({topp}) may be non-zero')
+  inputs = jnp.asarray(inputs).astype(jnp.int32)
+  rows = inputs.shape[0]
+  if rows % num_decodes:
+    raise ValueError(f'inputs have {rows} rows, not a multiple of num_decodes '
+                     f'({num_decodes})')
+  batch = rows // num_decodes
   if not isinstance(temperature, (int, float)):
     temperature = _per_row(temperature, 'temperature', batch, num_decodes)
   if not isinstance(topk, (int, np.integer)):
     topk = _per_row(topk, 'topk', batch, num_decodes)
   if not isinstance(topp, (int, float)):
     topp = _per_row(topp, 'topp', batch, num_decodes)
-  if initial_index is not None:
-    initial_index = jnp.asarray(initial_index)
-    if initial_index.shape != (batch,):
-      raise ValueError(f'initial_index must be [batch] = ({batch},), got shape '
-                       f'{initial_index.shape}')
-  rng = jax.random.PRNGKey(0) if decode_rng is None else decode_rng
-  if not _is_single_key(rng) and jnp.shape(rng)[0] != batch * num_decodes:
-    raise ValueError(f'decode_rng must be one PRNG key or one per decoded row '
-                     f'(batch * num_decodes = {batch * num_decodes}); got shape '
-                     f'{jnp.shape(rng)}')
-  if num_decodes > 1:
-    inputs = jnp.repeat(inputs, num_decodes, axis=0)  # [B*n, L], copies adjacent
-    cache = expand_cache(cache, num_decodes, cache_offset,
-                         expand_index=initial_index is not None)
-    if initial_index is not None:
-      initial_index = jnp.repeat(initial_index, num_decodes)
-  max_decode_len = _max_decode_lengths(inputs, max_decode_steps, max_decode_steps_hard_limit)
+  per_row_keys = not _is_single_key(prng_key)
+  if per_row_keys and jnp.shape(prng_key)[0] != rows:
+    raise ValueError(f'prng_key must be one PRNG key or one per row ({rows}); got shape '
+                     f'{jnp.shape(prng_key)}')
+  max_decode_len = _max_decode_lengths(inputs, max_decode_steps)
   draw = functools.partial(_draw, temperature=temperature, topk=topk, topp=topp,
-                           rescale_log_probs=rescale_log_probs,
-                           per_row_keys=not _is_single_key(rng))
-  sequences, log_prob = _sampling_loop(inputs, cache, tokens_to_logits, eos_id, rng, draw,
-                                       initial_index, max_decode_len, state_callback_fn,
-                                       logit_callback_fn)
-  decodes = sequences.reshape(batch, num_decodes, -1)
-  scores = log_prob.reshape(batch, num_decodes)
-  order = jnp.argsort(scores, axis=-1)  # ascending: best last
-  return (jnp.take_along_axis(decodes, order[:, :, None], axis=1),
-          jnp.take_along_axis(scores, order, axis=-1))
+                           rescale_log_probs=rescale_log_probs, per_row_keys=per_row_keys)
+  return _sampling_loop(inputs, cache, tokens_to_logits, eos_id, prng_key, draw,
+                        initial_index, max_decode_len, state_callback_fn, logit_callback_fn)
 
 
 def prefill_decoder_prompt(params, inputs, cache, *, config: T5Config):
