@@ -1,0 +1,732 @@
+"""One command that measures what speculative decoding costs on the device JAX sees.
+
+  python scripts/accelerator_bench.py                  # or: jaxspec-accelerator-bench
+  python scripts/accelerator_bench.py --parts=a,c --sizes=base,xxl
+  python scripts/accelerator_bench.py --tiny           # tiny shapes: seconds on a CPU
+
+Parts (--parts, in this order; each under a share of --budget_s, what a part leaves
+unused going to the later ones, and the items past a part's deadline skipped and named):
+  a  bfloat16 step costs at T5.1.1 shapes (--sizes of base, large, xl, xxl; vocab 32128;
+     random weights), at each of --batch_sizes: the one-position cached decode step,
+     V(k) = step over k positions / step over 1 for k in --positions, the proposal of
+     gamma tokens by T5.1.1-small and by the target's own decoder in int8 (jaxspec's
+     Int8Drafter, through plain XLA), hence c = draft step / target step; and the
+     fraction of the device's peak memory bandwidth each step reaches (the bytes of
+     weights and cache a step reads / its time / the peak of PEAK_BANDWIDTH).
+  b  the jitted speculative loop per iteration against a proposal and a verify step
+     timed apart (T5.1.1 --loop_size target, small draft, batch 1): the while loop's
+     overhead on this device.
+  c  the paper's Table 2 (T5-XXL target; small, base and large drafts; EnDe and CNNDM;
+     T=0 and 1) predicted from part a's c and V(gamma + 1) with the paper's alphas
+     (Table 3), the best gamma per row, beside the paper's walltime speedups.
+  d  end to end in bfloat16 and float32: the baseline and speculative decoding (the
+     --pair's small draft) at each batch size, T=0 and 1, over the first --examples
+     validation inputs: tokens/s, speedup, identical greedy outputs within each dtype.
+  e  the drafters that make sense on the device, in bfloat16 at batch 1: the target's
+     int8 self-draft through XLA and the trained T5 drafts: c (proposal / gamma target
+     steps), alpha and the speedup measured end to end, and the speedup those predict.
+
+Writes <output_dir>/<device-slug>.json and .md after every part (and every item of
+part a), so a run cut off keeps what it measured; prints a summary. --tiny runs every
+part at tiny random shapes (tests/test_accelerator_bench.py) and writes
+<device-slug>-tiny.*. docs/usage/accelerator.md has more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import inference
+from jaxspec.config import CPU_MATMULS, CPU_MATMUL_XLA, get_config
+from jaxspec.decoding.drafters import Int8Drafter, SharedEncoderDrafterWithTarget, T5Drafter
+from jaxspec.measure import accelerator, step_costs
+from jaxspec.model.cpu import matmul as cpu_matmul_lib
+
+PARTS = ('a', 'b', 'c', 'd', 'e')
+PART_NAMES = {'a': 'step_costs', 'b': 'loop_overhead', 'c': 'table2', 'd': 'end_to_end',
+              'e': 'drafters'}
+# Shares of the budget: step costs compile the most programs (a decode loop per size,
+# batch and k), the end-to-end parts a decode loop per dtype, batch and temperature.
+SHARES = {'a': 0.45, 'b': 0.1, 'c': 0.0, 'd': 0.25, 'e': 0.2}
+SIZES = {'small': 't5_1_1_small', 'base': 't5_1_1_base', 'large': 't5_1_1_large',
+         'xl': 't5_1_1_xl', 'xxl': 't5_1_1_xxl'}
+TARGET_SIZES = ('base', 'large', 'xl', 'xxl')
+TINY_TARGET, TINY_DRAFT = 'test_tiny_1_1', 'test_tiny_1_0'
+TINY_LAYERS = {'num_encoder_layers': 1, 'num_decoder_layers': 1}  # --tiny compiles less
+TINY_SIZE = 'tiny'
+DTYPES = ('bfloat16', 'float32')  # part d; the accelerators' own first
+TEMPERATURES = (0.0, 1.0)
+
+
+def _parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--parts', default=','.join(PARTS),
+                      help='comma-separated parts among a,b,c,d,e (above)')
+  parser.add_argument('--sizes', default=','.join(TARGET_SIZES),
+                      help=f'T5.1.1 targets of part a among {",".join(TARGET_SIZES)}')
+  parser.add_argument('--budget_s', type=float, default=300.0,
+                      help='wall-clock seconds for all parts, compiles included; a part '
+                      'gets a share of what is left (a 45%%, b 10%%, d 25%%, e 20%%)')
+  parser.add_argument('--output_dir', default=os.path.join('results', 'accelerator'))
+  parser.add_argument('--tiny', action='store_true',
+                      help=f'tiny random shapes ({TINY_TARGET} target, {TINY_DRAFT} draft) '
+                      'in every part: the whole command in seconds on a CPU')
+  parser.add_argument('--batch_sizes', default=None,
+                      help='parts a and d (default 1,8; 1 with --tiny: fewer compiles)')
+  parser.add_argument('--positions', default=None,
+                      help='k of the verify steps timed in part a, 1 added (default '
+                      '2,4,6,8,9; 2,4 with --tiny)')
+  parser.add_argument('--gamma', type=int, default=3,
+                      help='draft tokens per proposal in parts a, b, d and e')
+  parser.add_argument('--repeats', type=int, default=None,
+                      help='timed repetitions (default 10; 3 with --tiny)')
+  parser.add_argument('--loop_size', default=None,
+                      help='the T5.1.1 target of part b (default: the first of --sizes)')
+  parser.add_argument('--loop_length', type=int, default=None,
+                      help='max_decode_length of part b (default 64; 16 with --tiny)')
+  parser.add_argument('--pair', default='ende_local',
+                      help='the shipped pair of parts d and e (jaxspec.pairs)')
+  parser.add_argument('--examples', type=int, default=8,
+                      help='validation inputs decoded in parts d and e')
+  parser.add_argument('--max_decode_length', type=int, default=None,
+                      help="parts d and e (default: the pair's; 16 with --tiny)")
+  parser.add_argument('--cpu_matmul', default=CPU_MATMUL_XLA, choices=CPU_MATMULS,
+                      help="T5Config.cpu_matmul: 'xla' (default) runs what an accelerator "
+                      "runs on a CPU too; 'kernel' lets a CPU use jaxspec's kernel "
+                      '(inert off-CPU either way)')
+  parser.add_argument('--seed', type=int, default=0)
+  args = parser.parse_args(argv)
+  args.parts = [p for p in args.parts.split(',') if p]
+  unknown = sorted(set(args.parts) - set(PARTS))
+  if unknown:
+    parser.error(f'unknown parts {unknown}; known: {",".join(PARTS)}')
+  args.parts = [p for p in PARTS if p in args.parts]
+  args.sizes = [s for s in args.sizes.split(',') if s]
+  if args.tiny:
+    args.sizes = [TINY_SIZE]
+  elif set(args.sizes) - set(TARGET_SIZES):
+    parser.error(f'unknown sizes {sorted(set(args.sizes) - set(TARGET_SIZES))}; '
+                 f'known: {",".join(TARGET_SIZES)}')
+  args.batch_sizes = [int(b) for b in (args.batch_sizes or ('1' if args.tiny else '1,8'))
+                      .split(',') if b]
+  args.positions = sorted({int(k) for k in (args.positions or ('2,4' if args.tiny else
+                                                                 '2,4,6,8,9')).split(',')
+                           if k} - {1})
+  if any(k < 2 for k in args.positions) or any(b < 1 for b in args.batch_sizes):
+    parser.error('positions must be >= 2 and batch sizes >= 1')
+  if args.gamma < 1:
+    parser.error('gamma must be >= 1')
+  args.repeats = args.repeats or (3 if args.tiny else 10)
+  args.loop_size = args.loop_size or args.sizes[0]
+  if not args.tiny and args.loop_size not in TARGET_SIZES:
+    parser.error(f'--loop_size must be one of {",".join(TARGET_SIZES)}')
+  args.loop_length = args.loop_length or (16 if args.tiny else 64)
+  return args
+
+
+@dataclasses.dataclass
+class Run:
+  """One invocation: its settings, budget, the record written after every part."""
+  args: argparse.Namespace
+  budget: accelerator.Budget
+  record: dict
+  json_path: str
+  md_path: str
+  peak: float | None
+
+  def config(self, size: str, dtype: str = 'bfloat16'):
+    """The config of a part-a size ('small', a target size, or 'tiny' / the tiny draft)."""
+    overrides = dict(dtype=dtype, param_dtype=dtype, cpu_matmul=self.args.cpu_matmul)
+    if self.args.tiny:
+      return get_config(TINY_DRAFT if size == 'small' else TINY_TARGET, **overrides,
+                        **TINY_LAYERS)
+    return get_config(SIZES[size], **overrides)
+
+  def setup(self, batch: int, source_length: int | None = None) -> step_costs.StepCostSetup:
+    if self.args.tiny:
+      return step_costs.StepCostSetup(batch_size=batch, source_length=source_length or 6,
+                                      cache_position=3, cache_length=16, steps_per_call=2,
+                                      repeats=self.args.repeats)
+    return step_costs.StepCostSetup(batch_size=batch, source_length=source_length or 40,
+                                    cache_position=20, cache_length=64, steps_per_call=10,
+                                    repeats=self.args.repeats)
+
+  def write(self) -> None:
+    """The record as JSON and markdown, each replaced atomically."""
+    inference.write_text_atomic(self.json_path, json.dumps(_jsonable(self.record), indent=1)
+                                + '\n')
+    inference.write_text_atomic(self.md_path, markdown(self.record))
+
+
+def _jsonable(value):
+  if isinstance(value, dict):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, (np.floating, np.integer, np.bool_)):
+    return value.item()
+  if isinstance(value, float) and not np.isfinite(value):
+    return None
+  return value
+
+
+def _error(error: BaseException) -> dict:
+  traceback.print_exception(error, file=sys.stderr)
+  return {'error': f'{type(error).__name__}: {error}'}
+
+
+# ---------------------------------------------------------------------------
+# Part a: step costs.
+
+
+def _measure_draft(run: Run, batch: int) -> dict:
+  """T5.1.1-small (the tiny draft with --tiny): its one-position step and proposal."""
+  args = run.args
+  setup = run.setup(batch)
+  config = run.config('small')
+  params = accelerator.random_params(config, args.seed + 2)
+  cache = accelerator.empty_cache(params, config, setup)
+  calls = {('step', 1): accelerator.step_calls(params, config, setup, [1], cache)[1]}
+  calls.update({('proposal', n): call for n, call in accelerator.proposal_calls(
+      T5Drafter(config), params, setup, args.gamma).items()})
+  times, first = accelerator.time_calls(calls, args.repeats)
+  step = accelerator.step_seconds(times, ('step', 1), setup)
+  proposal = accelerator.slope_seconds(times, ('proposal',))
+  step_bytes = accelerator.decode_step_bytes(params, config, cache)
+  return {'config': config_name(run, 'small'), 'parameters': accelerator.parameter_count(params),
+          'step_bytes': step_bytes, 'step_ms': 1e3 * step, 'proposal_ms': 1e3 * proposal,
+          'bandwidth_fraction': accelerator.bandwidth_fraction(step_bytes, step, run.peak),
+          'first_calls_s': first}
+
+
+def config_name(run: Run, size: str) -> str:
+  if run.args.tiny:
+    return (TINY_DRAFT if size == 'small' else TINY_TARGET) + ' (1 layer)'
+  return SIZES[size]
+
+
+def _measure_target(run: Run, size: str, batch: int, draft: dict | None) -> dict:
+  """One target at one batch size: its steps over 1 and each of --positions positions,
+  and its int8 draft's proposals, interleaved."""
+  args = run.args
+  setup = run.setup(batch)
+  config = run.config(size)
+  params = accelerator.random_params(config, args.seed)
+  cache = accelerator.empty_cache(params, config, setup)
+  positions = [1] + args.positions
+  calls = {('step', k): call for k, call in accelerator.step_calls(
+      params, config, setup, positions, cache).items()}
+  int8_params = accelerator.random_int8_draft_params(params, args.seed + 1)
+  int8 = SharedEncoderDrafterWithTarget(Int8Drafter(config), config)
+  calls.update({('int8', n): call for n, call in accelerator.proposal_calls(
+      int8, {'draft': int8_params, 'target': params}, setup, args.gamma).items()})
+  times, first = accelerator.time_calls(calls, args.repeats)
+  step_bytes = accelerator.decode_step_bytes(params, config, cache)
+  step = accelerator.step_seconds(times, ('step', 1), setup)
+  steps = {}
+  for k in positions:
+    seconds = accelerator.step_seconds(times, ('step', k), setup)
+    steps[k] = {'ms': 1e3 * seconds, 'V': accelerator.ratio(times, ('step', k), ('step', 1)),
+                'bandwidth_fraction': accelerator.bandwidth_fraction(step_bytes, seconds,
+                                                                     run.peak)}
+  proposal = accelerator.slope_seconds(times, ('int8',))
+  int8_bytes = accelerator.decode_step_bytes(int8_params, config, cache)
+  entry = {
+      'config': config_name(run, size), 'parameters': accelerator.parameter_count(params),
+      'step_bytes': step_bytes, 'steps': steps,
+      'int8_draft': {
+          'proposal_ms': 1e3 * proposal, 'c': proposal / (args.gamma * step),
+          'step_bytes': int8_bytes,
+          'bandwidth_fraction': accelerator.bandwidth_fraction(
+              args.gamma * int8_bytes, proposal, run.peak)},
+      'first_calls_s': first}
+  if draft and 'step_ms' in draft:
+    entry['small_draft'] = {'c': draft['step_ms'] / (1e3 * step),
+                            'c_from_proposal': draft['proposal_ms'] / (1e3 * args.gamma * step)}
+  return entry
+
+
+def part_step_costs(run: Run) -> dict:
+  args = run.args
+  out = {'dtype': 'bfloat16', 'gamma': args.gamma, 'positions': [1] + args.positions,
+         'setup': {f.name: getattr(run.setup(1), f.name)
+                   for f in dataclasses.fields(step_costs.StepCostSetup)
+                   if f.name != 'batch_size'},
+         'targets': {}, 'drafts': {'small': {}}, 'skipped': []}
+  run.record['parts'][PART_NAMES['a']] = out
+  estimates: dict[str, float] = {}
+  previous = 0.0
+  for batch in args.batch_sizes:
+    key = f'batch_{batch}'
+    try:
+      draft = _measure_draft(run, batch)
+    except Exception as error:  # noqa: BLE001  (recorded; the other items still run)
+      draft = _error(error)
+    out['drafts']['small'][key] = draft
+    for size in args.sizes:
+      estimate = estimates.get(size, previous)
+      if not run.budget.allows(estimate):
+        out['skipped'].append({'size': size, 'batch': batch,
+                               'reason': f'over the part budget (expected ~{estimate:.0f} s)'})
+        continue
+      start = time.perf_counter()
+      try:
+        entry = _measure_target(run, size, batch, draft)
+      except Exception as error:  # noqa: BLE001
+        entry = _error(error)
+      entry['seconds'] = time.perf_counter() - start
+      estimates[size] = previous = entry['seconds']
+      out['targets'].setdefault(size, {})[key] = entry
+      print(f'a: {size} batch {batch}: ' + _target_line(entry), flush=True)
+      run.write()
+  return out
+
+
+def _target_line(entry: dict) -> str:
+  if 'error' in entry:
+    return entry['error']
+  steps = entry['steps']
+  fraction = steps[1]['bandwidth_fraction']
+  return (f"step {steps[1]['ms']:.3f} ms"
+          + (f' ({fraction:.0%} of peak bandwidth)' if fraction is not None else '')
+          + ', V ' + ' '.join(f"{k}:{s['V']:.2f}" for k, s in steps.items() if k > 1)
+          + f", int8 c {entry['int8_draft']['c']:.3f}"
+          + (f", small c {entry['small_draft']['c']:.3f}" if 'small_draft' in entry else ''))
+
+
+# ---------------------------------------------------------------------------
+# Part b: the loop against its parts.
+
+
+def part_loop_overhead(run: Run) -> dict:
+  args = run.args
+  setup = run.setup(1)
+  config, draft_config = run.config(args.loop_size), run.config('small')
+  params = accelerator.random_params(config, args.seed)
+  draft_params = accelerator.random_params(draft_config, args.seed + 2)
+  result = accelerator.loop_overhead(
+      params, config, T5Drafter(draft_config), draft_params, gamma=args.gamma,
+      max_decode_length=args.loop_length, setup=setup, repeats=args.repeats, seed=args.seed)
+  result.update(target=config_name(run, args.loop_size), draft=config_name(run, 'small'),
+                dtype='bfloat16')
+  print(f"b: iteration {result['iteration_ms']:.3f} ms = proposal {result['proposal_ms']:.3f} "
+        f"+ verify {result['verify_ms']:.3f} + overhead {result['overhead_ms']:.3f} ms",
+        flush=True)
+  return result
+
+
+# ---------------------------------------------------------------------------
+# Part c: Table 2 predicted.
+
+
+def part_table2(run: Run) -> dict:
+  step_part = run.record['parts'].get(PART_NAMES['a'])
+  if not step_part or not step_part.get('targets'):
+    return {'skipped': 'needs part a (step costs) in the same run'}
+  measured = [size for size in (*TARGET_SIZES, TINY_SIZE)
+              if 'steps' in step_part['targets'].get(size, {}).get('batch_1', {})]
+  if not measured:
+    return {'skipped': 'part a measured no target at batch 1'}
+  target = 'xxl' if 'xxl' in measured else measured[-1]
+  target_entry = step_part['targets'][target]['batch_1']
+  one = target_entry['steps'][1]['ms']
+  draft_c = {'small': None, 'base': None, 'large': None}
+  small = step_part['drafts']['small'].get('batch_1', {})
+  if 'step_ms' in small:
+    draft_c['small'] = small['step_ms'] / one
+  for size in ('base', 'large'):
+    if size in measured and size != target:
+      draft_c[size] = step_part['targets'][size]['batch_1']['steps'][1]['ms'] / one
+  verify_cost = {k: s['V'] for k, s in target_entry['steps'].items() if k > 1}
+  rows = accelerator.table2_predictions(draft_c, verify_cost)
+  for row in rows:
+    if row['predicted_speedup'] is not None:
+      print(f"c: {row['task']} {row['draft']} T={row['temperature']}: predicted "
+            f"{row['predicted_speedup']:.2f}x at gamma {row['best_gamma']} "
+            f"(paper {row['paper_speedup']}x at {row['paper_gamma']})", flush=True)
+  return {'target': config_name(run, target), 'c': draft_c, 'verify_cost': verify_cost,
+          'note': 'c = draft one-position step / target one-position step (part a, '
+                  'batch 1, bfloat16); V(k) the target\'s; alpha from the paper\'s Table 3',
+          'rows': rows}
+
+
+# ---------------------------------------------------------------------------
+# Parts d and e: whole decodes.
+
+
+def _cast(params, dtype: str):
+  return jax.tree_util.tree_map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+@dataclasses.dataclass
+class Models:
+  """A target, its T5 drafts and the inputs of parts d and e, in one dtype."""
+  name: str
+  target_config: object
+  target_params: object
+  drafts: dict  # name -> (config, params)
+  inputs: np.ndarray
+  max_decode_length: int
+
+
+def _models(run: Run, dtype: str, drafts=('small',)) -> Models:
+  args = run.args
+  if args.tiny:
+    target_config = run.config(TINY_SIZE, 'float32').replace(dtype=dtype, param_dtype=dtype)
+    draft_config = run.config('small', 'float32').replace(dtype=dtype, param_dtype=dtype)
+    # The same random weights in both dtypes (made in float32, cast).
+    target = _cast(accelerator.random_params(target_config.replace(param_dtype='float32'),
+                                             args.seed), dtype)
+    draft = _cast(accelerator.random_params(draft_config.replace(param_dtype='float32'),
+                                            args.seed + 2), dtype)
+    inputs = np.random.default_rng(args.seed).integers(  # part a's source length
+        2, target_config.vocab_size, (args.examples, run.setup(1).source_length)
+    ).astype(np.int32)
+    return Models(f'{TINY_TARGET} + {TINY_DRAFT}, one layer each (random)', target_config,
+                  target,
+                  {'small': (draft_config, draft)}, inputs, args.max_decode_length or 16)
+  from jaxspec import pairs  # pylint: disable=import-outside-toplevel
+  from jaxspec.data import corpora  # pylint: disable=import-outside-toplevel
+  loaded = {name: pairs.load(args.pair, name, dtype=dtype) for name in drafts}
+  first = loaded[drafts[0]]
+  examples = corpora.load_split(first.task, 'validation')[:args.examples]
+  inputs = first.encode([example['inputs'] for example in examples])
+  with_setting = lambda config: config.replace(cpu_matmul=args.cpu_matmul)  # noqa: E731
+  return Models(args.pair, with_setting(first.target_config), first.target_params,
+                {name: (with_setting(p.draft_config), p.draft_params)
+                 for name, p in loaded.items()},
+                inputs, args.max_decode_length or first.max_decode_length)
+
+
+def part_end_to_end(run: Run) -> dict:
+  args = run.args
+  out = {'gamma': args.gamma, 'examples': args.examples, 'draft': 'small', 'rows': [],
+         'skipped': []}
+  run.record['parts'][PART_NAMES['d']] = out
+  greedy_tokens = {}
+  estimate = 0.0
+  for dtype in DTYPES:
+    models = _models(run, dtype)
+    out['pair'], out['max_decode_length'] = models.name, models.max_decode_length
+    draft_config, draft_params = models.drafts['small']
+    for batch in args.batch_sizes:
+      for temperature in TEMPERATURES:
+        if not run.budget.allows(estimate):
+          out['skipped'].append({'dtype': dtype, 'batch': batch, 'temperature': temperature,
+                                 'reason': 'over the part budget'})
+          continue
+        start = time.perf_counter()
+        try:
+          results, first, tokens = accelerator.end_to_end(
+              models.target_params, models.target_config,
+              {'small': (T5Drafter(draft_config), draft_params)}, models.inputs, batch=batch,
+              temperature=temperature, gamma=args.gamma,
+              max_decode_length=models.max_decode_length, repeats=args.repeats,
+              seed=args.seed)
+          row = {'dtype': dtype, 'batch': batch, 'temperature': temperature,
+                 'baseline': results['baseline'], 'speculative': results['small'],
+                 'first_calls_s': first}
+          if temperature == 0.0:
+            greedy_tokens.setdefault(dtype, tokens['baseline'])
+        except Exception as error:  # noqa: BLE001
+          row = dict(_error(error), dtype=dtype, batch=batch, temperature=temperature)
+        row['seconds'] = estimate = time.perf_counter() - start
+        out['rows'].append(row)
+        if 'speculative' in row:
+          spec = row['speculative']
+          print(f"d: {dtype} batch {batch} T={temperature}: baseline "
+                f"{row['baseline']['tokens_per_s']:.0f} tokens/s, speculative "
+                f"{spec['tokens_per_s']:.0f} tokens/s ({spec['speedup']:.2f}x, alpha "
+                f"{spec['alpha']:.2f}, identical {spec['identical_outputs']})", flush=True)
+        run.write()
+  if len(greedy_tokens) == 2:
+    a, b = (greedy_tokens[d] for d in DTYPES)
+    out['greedy_rows_equal_across_dtypes'] = int(np.sum(np.all(a == b, axis=1)))
+  greedy = [row['speculative']['identical_outputs'] for row in out['rows']
+            if row.get('temperature') == 0.0 and 'speculative' in row]
+  out['greedy_identical'] = all(greedy) if greedy else None
+  return out
+
+
+def part_drafters(run: Run) -> dict:
+  args = run.args
+  names = ('small',) if args.tiny else ('small', 'base')
+  models = _models(run, 'bfloat16', names)
+  config, params = models.target_config, models.target_params
+  out = {'pair': models.name, 'dtype': 'bfloat16', 'batch': 1, 'gamma': args.gamma,
+         'drafters': {}, 'skipped': []}
+  run.record['parts'][PART_NAMES['e']] = out
+  int8 = Int8Drafter(config)
+  drafters = {name: (T5Drafter(c), p) for name, (c, p) in models.drafts.items()}
+  drafters['int8'] = (int8, int8.draft_params(params))
+  # c: each drafter's proposal against the target's steps, interleaved.
+  setup = run.setup(1, source_length=models.inputs.shape[1])
+  calls = {('step', k): call for k, call in accelerator.step_calls(
+      params, config, setup, [1, args.gamma + 1]).items()}
+  for name, (drafter, drafter_params) in drafters.items():
+    if name == 'int8':  # stand-alone: params of both, the target's encoder once per call
+      drafter, drafter_params = (SharedEncoderDrafterWithTarget(drafter, config),
+                                 {'draft': drafter_params, 'target': params})
+    calls.update({(name, n): call for n, call in accelerator.proposal_calls(
+        drafter, drafter_params, setup, args.gamma).items()})
+  times, first = accelerator.time_calls(calls, args.repeats)
+  step = accelerator.step_seconds(times, ('step', 1), setup)
+  verify_cost = accelerator.ratio(times, ('step', args.gamma + 1), ('step', 1))
+  out.update(step_ms=1e3 * step, verify_cost=verify_cost, first_calls_s=first)
+  for name in drafters:
+    proposal = accelerator.slope_seconds(times, (name,))
+    out['drafters'][name] = {'proposal_ms': 1e3 * proposal,
+                             'c': proposal / (args.gamma * step), 'runs': {}}
+  # alpha and the speedup, end to end, each temperature's decoders interleaved.
+  estimate = 0.0
+  for temperature in TEMPERATURES:
+    if not run.budget.allows(estimate):
+      out['skipped'].append({'temperature': temperature, 'reason': 'over the part budget'})
+      continue
+    start = time.perf_counter()
+    try:
+      results, _, _ = accelerator.end_to_end(
+          params, config, drafters, models.inputs, batch=1, temperature=temperature,
+          gamma=args.gamma, max_decode_length=models.max_decode_length,
+          repeats=args.repeats, seed=args.seed)
+    except Exception as error:  # noqa: BLE001
+      out['skipped'].append(dict(_error(error), temperature=temperature))
+      continue
+    estimate = time.perf_counter() - start
+    for name, entry in out['drafters'].items():
+      result = results[name]
+      entry['runs'][temperature] = dict(
+          alpha=result['alpha'], speedup=result['speedup'],
+          tokens_per_target_call=result['tokens_per_target_call'],
+          identical_outputs=result['identical_outputs'],
+          predicted_speedup=accelerator.predicted_speedup(
+              min(max(result['alpha'], 0.0), 1.0), args.gamma, entry['c'], verify_cost))
+      print(f"e: {name} T={temperature}: c {entry['c']:.3f}, alpha {result['alpha']:.2f}, "
+            f"speedup {result['speedup']:.2f}x (predicted "
+            f"{entry['runs'][temperature]['predicted_speedup']:.2f}x)", flush=True)
+    run.write()
+  return out
+
+
+PART_FUNCTIONS = {'a': part_step_costs, 'b': part_loop_overhead, 'c': part_table2,
+                  'd': part_end_to_end, 'e': part_drafters}
+
+
+# ---------------------------------------------------------------------------
+# The record and its markdown.
+
+
+def _fmt(value, spec: str = '.3f') -> str:
+  if value is None:
+    return '-'
+  if isinstance(value, bool):
+    return 'yes' if value else 'no'
+  if isinstance(value, (int, float)):
+    return format(value, spec)
+  return str(value)
+
+
+def _x(value) -> str:
+  return '-' if value is None else f'{value:.2f}x'
+
+
+def _pct(value) -> str:
+  return '-' if value is None else f'{value:.0%}'
+
+
+def markdown(record: dict) -> str:
+  device = record['device']
+  peak = device.get('peak_bandwidth_bytes_per_s')
+  memory = device.get('memory_bytes')
+  lines = [f"# Accelerator bench: {device['device_kind']} ({device['platform']}, "
+           f"{device['count']} device(s))", '',
+           f"{record['date']}, commit {record.get('commit') or 'unknown'}, jax "
+           f"{record['versions']['jax']} / jaxlib {record['versions']['jaxlib']}; memory "
+           f"{'-' if memory is None else f'{memory / 2**30:.0f} GiB'}; peak bandwidth "
+           f"{'unknown' if peak is None else f'{peak / 1e12:.2f} TB/s'}; "
+           f"matmul: {record.get('matmul', '-')}. `{record['command']}`", '',
+           f"Parts done: {', '.join(record['parts_done']) or 'none'}"
+           + (f"; skipped: {record['parts_skipped']}" if record['parts_skipped'] else ''), '']
+  parts = record['parts']
+  a = parts.get(PART_NAMES['a'])
+  if a:
+    positions = [k for k in a['positions'] if k > 1]
+    lines += ['## a. Step costs (bfloat16, random weights)', '',
+              'One cached decode step over k positions; V(k) = step(k) / step(1), median '
+              'over interleaved repetitions; bandwidth = bytes a step reads (decoder '
+              'weights and cache) / time / peak; c = the draft\'s step / the target\'s '
+              f"one-position step (int8: a proposal of gamma = {a['gamma']} / gamma steps).",
+              '', '| target | batch | params | step | bandwidth | '
+              + ' | '.join(f'V({k})' for k in positions)
+              + ' | int8 c | int8 bandwidth | small c |',
+              '|---' * (8 + len(positions)) + '|']
+    for size, batches in a['targets'].items():
+      for batch, entry in batches.items():
+        if 'steps' not in entry:
+          lines.append(f"| {size} | {batch} | {entry.get('error', '-')} |")
+          continue
+        steps = entry['steps']
+        lines.append(
+            f"| {entry['config']} | {batch.split('_')[-1]} | "
+            f"{entry['parameters'] / 1e6:.0f}M | {steps[1]['ms']:.3f} ms | "
+            f"{_pct(steps[1]['bandwidth_fraction'])} | "
+            + ' | '.join(_fmt(steps[k]['V'], '.2f') if k in steps else '-' for k in positions)
+            + f" | {_fmt(entry['int8_draft']['c'])} | "
+            f"{_pct(entry['int8_draft']['bandwidth_fraction'])} | "
+            f"{_fmt(entry.get('small_draft', {}).get('c'))} |")
+    for batch, draft in a['drafts']['small'].items():
+      if 'step_ms' in draft:
+        lines.append('')
+        lines.append(f"Small draft ({draft['config']}), {batch.replace('_', ' ')}: step "
+                     f"{draft['step_ms']:.3f} ms ({_pct(draft['bandwidth_fraction'])} of "
+                     f"peak bandwidth), proposal of {a['gamma']} tokens "
+                     f"{draft['proposal_ms']:.3f} ms.")
+    if a['skipped']:
+      lines += ['', f"Skipped: {a['skipped']}"]
+    lines.append('')
+  b = parts.get(PART_NAMES['b'])
+  if b:
+    lines += ['## b. The speculative loop against its parts', '']
+    if 'iteration_ms' in b:
+      lines += [f"{b['target']} target, {b['draft']} draft, gamma {b['gamma']}, batch "
+                f"{b['batch']}, {b['iterations']} iterations: per iteration "
+                f"{b['iteration_ms']:.3f} ms = proposal {b['proposal_ms']:.3f} ms + verify "
+                f"step {b['verify_ms']:.3f} ms + loop overhead {b['overhead_ms']:.3f} ms "
+                f"({_pct(b['overhead_fraction'])} of the iteration).", '']
+    else:
+      lines += [str(b), '']
+  c = parts.get(PART_NAMES['c'])
+  if c:
+    lines += ['## c. Table 2 predicted from the measured costs', '']
+    if 'rows' in c:
+      lines += [f"Target {c['target']}; {c['note']}. Predicted speedup = E[tokens per "
+                'iteration](alpha, gamma) / (gamma c + V(gamma + 1)) at the best measured '
+                'gamma; Theorem 3.8 takes V = 1.', '',
+                '| task | draft | T | alpha | c | best gamma | predicted | at paper gamma '
+                '| Theorem 3.8 | paper gamma | paper c | paper speedup |',
+                '|---' * 12 + '|']
+      for row in c['rows']:
+        lines.append(
+            f"| {row['task']} | {row['draft']} | {row['temperature']} | {row['alpha']} | "
+            f"{_fmt(row['c'])} | {_fmt(row['best_gamma'], 'd')} | "
+            f"{_x(row['predicted_speedup'])} | {_x(row['predicted_at_paper_gamma'])} | "
+            f"{_x(row['theorem_3_8_speedup'])} | {row['paper_gamma']} | "
+            f"{row['paper_c']} | {row['paper_speedup']}x |")
+    else:
+      lines.append(str(c))
+    lines.append('')
+  d = parts.get(PART_NAMES['d'])
+  if d:
+    lines += ['## d. End to end', '',
+              f"{d.get('pair', '-')}, small draft, gamma {d['gamma']}, {d['examples']} "
+              f"inputs, max_decode_length {d.get('max_decode_length', '-')}; greedy outputs "
+              f"identical to the baseline's in every dtype: {_fmt(d.get('greedy_identical'))}"
+              + (f"; greedy rows equal across bfloat16 and float32: "
+                 f"{d['greedy_rows_equal_across_dtypes']}/{d['examples']}"
+                 if 'greedy_rows_equal_across_dtypes' in d else '') + '.', '',
+              '| dtype | batch | T | baseline tokens/s | speculative tokens/s | speedup | '
+              'alpha | tokens per target call | identical |', '|---' * 9 + '|']
+    for row in d['rows']:
+      if 'speculative' not in row:
+        lines.append(f"| {row['dtype']} | {row['batch']} | {row['temperature']} | "
+                     f"{row.get('error', '-')} |")
+        continue
+      spec = row['speculative']
+      lines.append(
+          f"| {row['dtype']} | {row['batch']} | {row['temperature']} | "
+          f"{row['baseline']['tokens_per_s']:.0f} | {spec['tokens_per_s']:.0f} | "
+          f"{spec['speedup']:.2f}x | {spec['alpha']:.3f} | "
+          f"{spec['tokens_per_target_call']:.2f} | {_fmt(spec['identical_outputs'])} |")
+    if d.get('skipped'):
+      lines += ['', f"Skipped: {d['skipped']}"]
+    lines.append('')
+  e = parts.get(PART_NAMES['e'])
+  if e:
+    lines += ['## e. Drafters on this device', '',
+              f"{e['pair']}, bfloat16, batch 1, gamma {e['gamma']}; target step "
+              f"{_fmt(e.get('step_ms'))} ms, V(gamma + 1) = {_fmt(e.get('verify_cost'), '.2f')}; "
+              'c = proposal / (gamma x target step).', '',
+              '| drafter | proposal | c | T | alpha | speedup | predicted | identical |',
+              '|---' * 8 + '|']
+    for name, entry in e['drafters'].items():
+      for temperature, result in entry['runs'].items():
+        lines.append(f"| {name} | {entry['proposal_ms']:.3f} ms | {entry['c']:.3f} | "
+                     f"{temperature} | {result['alpha']:.3f} | {result['speedup']:.2f}x | "
+                     f"{result['predicted_speedup']:.2f}x | "
+                     f"{_fmt(result['identical_outputs'])} |")
+      if not entry['runs']:
+        lines.append(f"| {name} | {entry['proposal_ms']:.3f} ms | {entry['c']:.3f} | - | "
+                     '- | - | - | - |')
+    if e.get('skipped'):
+      lines += ['', f"Skipped: {e['skipped']}"]
+    lines.append('')
+  for name, part in parts.items():
+    if isinstance(part, dict) and 'error' in part:
+      lines += [f'## {name}: failed', '', part['error'], '']
+  return '\n'.join(lines)
+
+
+def main(argv=None):
+  args = _parse_args(sys.argv[1:] if argv is None else argv)
+  device = accelerator.device_description()
+  slug = accelerator.device_slug(device['device_kind']) + ('-tiny' if args.tiny else '')
+  command = 'jaxspec-accelerator-bench ' + ' '.join(
+      shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+  record = {
+      'kind': 'accelerator_bench', 'commit': accelerator.git_commit(),
+      'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+      'device': device, 'versions': accelerator.versions(), 'command': command.strip(),
+      'matmul': cpu_matmul_lib.kernel_status(args.cpu_matmul),
+      'settings': {k: v for k, v in vars(args).items()},
+      'parts_done': [], 'parts_skipped': {}, 'parts': {}}
+  record['provenance'] = {
+      'commit': (record['commit'] or '')[:7], 'date': record['date'][:10],
+      'machine': f"{device['device_kind']} x{device['count']} ({device['platform']}), "
+                 f"host {device['host_cpu']}, {device['host_cores']} cores",
+      'command': record['command']}
+  run = Run(args=args, budget=accelerator.Budget(args.budget_s, SHARES), record=record,
+            json_path=os.path.join(args.output_dir, f'{slug}.json'),
+            md_path=os.path.join(args.output_dir, f'{slug}.md'),
+            peak=device['peak_bandwidth_bytes_per_s'])
+  print(f"accelerator bench on {device['device_kind']} ({device['platform']}); parts "
+        f"{','.join(args.parts)}; budget {args.budget_s:.0f} s; writing {run.json_path}",
+        flush=True)
+  for index, part in enumerate(args.parts):
+    seconds = run.budget.begin(part, args.parts[index + 1:])
+    if run.budget.remaining() <= 0:
+      record['parts_skipped'][part] = 'the total budget is spent'
+      run.write()
+      continue
+    start = time.perf_counter()
+    try:
+      result = PART_FUNCTIONS[part](run)
+    except Exception as error:  # noqa: BLE001  (recorded; the later parts still run)
+      result = _error(error)
+    result['part_seconds'] = time.perf_counter() - start
+    result['part_budget_s'] = seconds
+    record['parts'][PART_NAMES[part]] = result
+    record['parts_done'].append(part)
+    run.write()
+    print(f"part {part} ({PART_NAMES[part]}) done in {result['part_seconds']:.1f} s "
+          f"(budget {seconds:.0f} s)", flush=True)
+  print(markdown(record))
+  print(f'wrote {run.json_path} and {run.md_path}')
+  return record
+
+
+if __name__ == '__main__':
+  main()

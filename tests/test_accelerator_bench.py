@@ -1,0 +1,258 @@
+"""jaxspec-accelerator-bench (jaxspec/launch/accelerator_bench.py, jaxspec/measure/accelerator.py)
+on the CPU at tiny shapes, so the command that runs on accelerators cannot rot.
+
+No timing is asserted beyond its sign: the tests check what is measured and written,
+after each part, with the documented fields and values that hold by construction
+(V(1) = 1, greedy outputs identical to the baseline's, c > 0), and the pure pieces
+(bandwidth table, Table 2 arithmetic, budgets, the int8 draft's shapes, a step's bytes)
+against independent computations.
+"""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxspec.config import get_config
+from jaxspec.decoding.drafters import Int8Drafter
+from jaxspec.launch import accelerator_bench
+from jaxspec.measure import accelerator, analysis, step_costs
+
+PARTS = accelerator_bench.PARTS
+NAMES = accelerator_bench.PART_NAMES
+
+
+# ----------------------------------------------------------------------------------
+# The pure pieces.
+
+
+@pytest.mark.parametrize('kind, expected', [
+    ('NVIDIA H100 80GB HBM3', 3.35e12), ('NVIDIA H100 PCIe', 2.0e12), ('NVIDIA H200', 4.8e12),
+    ('NVIDIA A100-SXM4-80GB', 2.0e12), ('TPU v4', 1.2e12), ('TPU v5 lite', 8.19e11),
+    ('TPU v5p', 2.765e12), ('cpu', None), ('Some Future Chip', None)])
+def test_peak_bandwidth_by_device_kind(kind, expected):
+  assert accelerator.peak_bandwidth(kind) == expected
+
+
+def test_device_slug_is_a_file_name():
+  assert accelerator.device_slug('NVIDIA H100 80GB HBM3') == 'nvidia-h100-80gb-hbm3'
+  assert accelerator.device_slug('TPU v5 lite') == 'tpu-v5-lite'
+  assert accelerator.bandwidth_fraction(2e9, 1e-3, 4e12) == pytest.approx(0.5)
+  assert accelerator.bandwidth_fraction(2e9, 1e-3, None) is None
+
+
+def test_table2_predictions_follow_the_paper_formulas():
+  # With V(k) = 1 the prediction is Theorem 3.8 itself.
+  flat = {k: 1.0 for k in (2, 4, 6, 8)}
+  rows = accelerator.table2_predictions({'small': 0.02, 'base': None, 'large': 0.1}, flat)
+  assert len(rows) == 12 and {r['draft'] for r in rows} == {'small', 'base', 'large'}
+  for row in rows:
+    if row['draft'] == 'base':
+      assert row['predicted_speedup'] is None and row['best_gamma'] is None
+      continue
+    c = 0.02 if row['draft'] == 'small' else 0.1
+    speedups = {g: float(analysis.expected_speedup(row['alpha'], g, c)) for g in (1, 3, 5, 7)}
+    assert row['best_gamma'] == max(speedups, key=speedups.get)
+    assert row['predicted_speedup'] == pytest.approx(speedups[row['best_gamma']])
+    assert row['predicted_at_paper_gamma'] == pytest.approx(speedups.get(row['paper_gamma']))
+  # A verify step that costs more than one step lowers the prediction, by the formula.
+  costly = accelerator.table2_predictions({'small': 0.02}, {4: 1.5})[0]
+  assert costly['best_gamma'] == 3
+  expected = analysis.expected_tokens_per_iteration(0.75, 3) / (3 * 0.02 + 1.5)
+  assert costly['predicted_speedup'] == pytest.approx(float(expected))
+  # The paper's rows, transcribed: Table 3's alpha equals Table 2's.
+  assert [(r['task'], r['draft'], r['temperature'], r['alpha'], r['paper_speedup'])
+          for r in accelerator.PAPER_TABLE2[:3]] == [
+              ('EnDe', 'small', 0, 0.75, 3.4), ('EnDe', 'base', 0, 0.8, 2.8),
+              ('EnDe', 'large', 0, 0.82, 1.7)]
+
+
+def test_budget_splits_what_is_left_among_the_parts_to_come():
+  now = [0.0]
+  budget = accelerator.Budget(100.0, {'a': 0.5, 'b': 0.0, 'd': 0.25, 'e': 0.25},
+                              clock=lambda: now[0])
+  assert budget.begin('a', ['b', 'd', 'e']) == pytest.approx(50.0)
+  assert budget.allows(49.0) and not budget.allows(51.0)
+  now[0] = 20.0  # a used 20 s of its 50: d and e share the 80 left
+  assert budget.begin('b', ['d', 'e']) == 0.0
+  assert budget.begin('d', ['e']) == pytest.approx(40.0)
+  now[0] = 120.0
+  assert budget.remaining() < 0 and budget.begin('e', []) == 0.0
+
+
+def test_int8_draft_shapes_are_those_int8drafter_makes():
+  config = get_config('test_tiny_1_1', dtype='bfloat16', param_dtype='bfloat16')
+  target = accelerator.random_params(config)
+  assert {x.dtype for x in jax.tree_util.tree_leaves(target)} == {jnp.dtype('bfloat16')}
+  real = Int8Drafter.draft_params(target)
+  for made in (accelerator.int8_draft_shapes(target),
+               accelerator.random_int8_draft_params(target, seed=1)):
+    assert jax.tree_util.tree_structure(made) == jax.tree_util.tree_structure(real)
+    for a, b in zip(jax.tree_util.tree_leaves(made), jax.tree_util.tree_leaves(real)):
+      assert (a.shape, a.dtype) == (b.shape, b.dtype)
+
+
+def test_a_decode_step_reads_the_decoder_weights_and_the_cache():
+  config = get_config('test_tiny_1_1')
+  params = accelerator.random_params(config, layout='t5x')
+  setup = step_costs.StepCostSetup(batch_size=2, source_length=5, cache_length=12)
+  cache = accelerator.empty_cache(params, config, setup)
+  e, h, d, m, v, layers = (config.emb_dim, config.num_heads, config.head_dim, config.mlp_dim,
+                           config.vocab_size, config.num_decoder_layers)
+  # Self-attention q/k/v/o, cross-attention q/o, the gated MLP, three norms.
+  per_layer = 4 * e * h * d + 2 * e * h * d + 3 * e * m + 3 * e
+  weights = layers * per_layer + e * v + e + 32 * h  # + logits, final norm, relative biases
+  cache_bytes = layers * 2 * 2 * h * d * (12 + 5)  # self and cross keys and values, batch 2
+  assert accelerator.decode_step_bytes(params, config, cache) == 4 * (weights + cache_bytes)
+
+
+def test_flags_are_checked():
+  with pytest.raises(SystemExit):
+    accelerator_bench._parse_args(['--parts=a,z'])
+  with pytest.raises(SystemExit):
+    accelerator_bench._parse_args(['--sizes=base,huge'])
+  args = accelerator_bench._parse_args(['--parts=e,a', '--positions=9,2,1'])
+  assert args.parts == ['a', 'e'] and args.positions == [2, 9] and args.batch_sizes == [1, 8]
+  tiny = accelerator_bench._parse_args(['--tiny'])
+  assert tiny.sizes == ['tiny'] and tiny.batch_sizes == [1] and tiny.positions == [2, 4]
+
+
+def test_a_spent_budget_skips_every_part_and_still_writes(tmp_path):
+  record = accelerator_bench.main(['--tiny', '--budget_s=0', f'--output_dir={tmp_path}'])
+  assert record['parts_done'] == [] and set(record['parts_skipped']) == set(PARTS)
+  written = json.loads((tmp_path / 'cpu-tiny.json').read_text())
+  assert written['parts_skipped'] == record['parts_skipped']
+  assert (tmp_path / 'cpu-tiny.md').read_text().startswith('# Accelerator bench: cpu')
+
+
+# ----------------------------------------------------------------------------------
+# The whole command, every part, at tiny shapes.
+
+
+@pytest.fixture(scope='module')
+def tiny_run(tmp_path_factory):
+  """accelerator_bench.main(--tiny) with every write recorded: (record, [(parts done,
+  JSON on disk, markdown on disk) after each write], output directory)."""
+  out = tmp_path_factory.mktemp('accelerator')
+  writes = []
+  original = accelerator_bench.Run.write
+
+  def write(self):
+    original(self)
+    writes.append((list(self.record['parts_done']), json.loads(open(self.json_path).read()),
+                   open(self.md_path).read()))
+
+  accelerator_bench.Run.write = write
+  try:
+    record = accelerator_bench.main(['--tiny', f'--output_dir={out}', '--repeats=2'])
+  finally:
+    accelerator_bench.Run.write = original
+  return record, writes, out
+
+
+def _positive(value):
+  return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_every_part_is_written_when_it_ends(tiny_run):
+  record, writes, out = tiny_run
+  assert record['parts_done'] == list(PARTS)
+  headings = {'a': '## a. Step costs', 'b': '## b.', 'c': '## c. Table 2', 'd': '## d. End',
+              'e': '## e. Drafters'}
+  for index, part in enumerate(PARTS):
+    # The first write that reports the part done holds it, on disk, in both files.
+    done, on_disk, md = next(w for w in writes if part in w[0])
+    assert done == list(PARTS[:index + 1])
+    assert NAMES[part] in on_disk['parts'] and on_disk['parts_done'] == done
+    assert headings[part] in md
+    for later in PARTS[index + 1:]:
+      assert headings[later] not in md
+  assert json.loads((out / 'cpu-tiny.json').read_text())['parts_done'] == list(PARTS)
+
+
+def test_the_record_describes_the_run(tiny_run):
+  _, writes, _ = tiny_run
+  record = writes[-1][1]
+  assert record['kind'] == 'accelerator_bench'
+  assert record['commit'] is None or len(record['commit']) == 40
+  assert record['date'][:4].isdigit()
+  device = record['device']
+  assert device['platform'] == 'cpu' and device['count'] >= 1 and device['device_kind']
+  assert 'memory_bytes' in device and device['peak_bandwidth_bytes_per_s'] is None
+  assert record['versions'] == {'jax': jax.__version__,
+                                'jaxlib': __import__('jaxlib').__version__}
+  assert record['command'].startswith('jaxspec-accelerator-bench --tiny')
+  assert record['matmul'].startswith('XLA')  # the accelerator path: XLA on the CPU too
+  assert record['provenance']['command'] == record['command']
+
+
+def test_step_costs(tiny_run):
+  record = tiny_run[0]['parts'][NAMES['a']]
+  assert record['skipped'] == [] and list(record['targets']['tiny']) == ['batch_1']
+  for batch in ('batch_1',):
+    entry = record['targets']['tiny'][batch]
+    assert sorted(entry['steps']) == [1, 2, 4]
+    assert entry['steps'][1]['V'] == 1.0  # by construction
+    for k, step in entry['steps'].items():
+      assert _positive(step['ms']) and _positive(step['V']), k
+      assert step['bandwidth_fraction'] is None  # no peak for a CPU
+    assert _positive(entry['step_bytes']) and _positive(entry['int8_draft']['step_bytes'])
+    assert entry['int8_draft']['step_bytes'] < entry['step_bytes']  # int8 weights
+    assert _positive(entry['int8_draft']['c']) and _positive(entry['small_draft']['c'])
+    draft = record['drafts']['small'][batch]
+    assert _positive(draft['step_ms']) and _positive(draft['proposal_ms'])
+
+
+def test_loop_overhead(tiny_run):
+  loop = tiny_run[0]['parts'][NAMES['b']]
+  assert loop['iterations'] > 0 and loop['gamma'] == 3 and loop['batch'] == 1
+  for field in ('loop_ms', 'prologue_ms', 'iteration_ms', 'proposal_ms', 'verify_ms'):
+    assert _positive(loop[field]), field
+  assert loop['overhead_ms'] == pytest.approx(
+      loop['iteration_ms'] - loop['proposal_ms'] - loop['verify_ms'])
+
+
+def test_table2_from_the_measured_costs(tiny_run):
+  record = tiny_run[0]
+  table = record['parts'][NAMES['c']]
+  steps = record['parts'][NAMES['a']]['targets']['tiny']['batch_1']['steps']
+  assert table['verify_cost'] == {k: s['V'] for k, s in steps.items() if k > 1}
+  assert len(table['rows']) == 12
+  for row in table['rows']:
+    if row['draft'] == 'small':  # the only draft measured at tiny shapes
+      assert _positive(row['c']) and _positive(row['predicted_speedup'])
+      assert row['best_gamma'] in (1, 3)
+    else:
+      assert row['c'] is None and row['predicted_speedup'] is None
+
+
+def test_end_to_end(tiny_run):
+  record = tiny_run[0]['parts'][NAMES['d']]
+  assert record['skipped'] == [] and record['greedy_identical'] is True
+  grid = {(r['dtype'], r['batch'], r['temperature']) for r in record['rows']}
+  assert grid == {(d, b, t) for d in ('bfloat16', 'float32') for b in (1,) for t in (0.0, 1.0)}
+  for row in record['rows']:
+    baseline, spec = row['baseline'], row['speculative']
+    assert _positive(baseline['tokens_per_s']) and _positive(spec['tokens_per_s'])
+    assert _positive(spec['speedup']) and 0.0 <= spec['alpha'] <= 1.0
+    assert spec['tokens_per_target_call'] >= 1.0
+    assert spec['identical_outputs'] is (True if row['temperature'] == 0.0 else None)
+    if row['temperature'] == 0.0:  # the same tokens, so as many
+      assert spec['tokens'] == baseline['tokens']
+
+
+def test_drafters(tiny_run):
+  record = tiny_run[0]['parts'][NAMES['e']]
+  assert set(record['drafters']) == {'small', 'int8'} and record['skipped'] == []
+  assert _positive(record['step_ms']) and _positive(record['verify_cost'])
+  for name, entry in record['drafters'].items():
+    assert _positive(entry['c']), name
+    assert set(entry['runs']) == {0.0, 1.0}
+    for temperature, run in entry['runs'].items():
+      assert 0.0 <= run['alpha'] <= 1.0 and _positive(run['speedup'])
+      assert _positive(run['predicted_speedup'])
+      assert run['identical_outputs'] is (True if temperature == 0.0 else None)
+  # The int8 copy of the target's own decoder proposes nearly the target's tokens.
+  assert record['drafters']['int8']['runs'][0.0]['alpha'] > 0.5
