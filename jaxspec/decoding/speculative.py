@@ -48,13 +48,17 @@ from jaxspec.decoding.verification.coupled import coupled_tokens, coupled_verdic
 from jaxspec.decoding.verification.token import (greedy_verdict, mask_unproposed,
                                                  speculative_verdict)
 
+AUTO = 'auto'  # SpeculativeConfig.gamma chosen per batch (jaxspec.decoding.auto_gamma)
 VERIFICATIONS = tuple(verification.RULES)  # ('token', 'block', 'coupled')
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
   """Static settings of speculative decoding."""
-  gamma: int = 4  # Drafted tokens per target call.
+  # Drafted tokens per target call; 'auto': chosen per batch from measured costs (0, the
+  # baseline, included) by jaxspec.decoding.auto_gamma, which the launcher and
+  # jaxspec.pairs use; speculative_generate itself takes an integer.
+  gamma: int | str = 4
   # Lenience l in (0, 1] (paper A.5). 1 is exact; l < 1 CHANGES THE OUTPUT: it accepts
   # more drafts (for sampling, p/(l q); for argmax, p(x) >= l max p).
   lenience: float = 1.0
@@ -95,8 +99,9 @@ class SpeculativeConfig:
   verify_lengths: tuple[int, ...] = dataclasses.field(default=(), metadata=OMIT_AT_DEFAULT)
 
   def __post_init__(self):
-    if self.gamma < 1:
-      raise ValueError(f'gamma must be >= 1, got {self.gamma}')
+    if self.gamma != AUTO and (isinstance(self.gamma, bool) or not isinstance(self.gamma, int)
+                               or self.gamma < 1):
+      raise ValueError(f"gamma must be an integer >= 1 or '{AUTO}', got {self.gamma!r}")
     if not 0.0 < self.lenience <= 1.0:
       raise ValueError(f'lenience must be in (0, 1] (1 is exact), got {self.lenience}')
     if self.verification not in verification.RULES:
@@ -110,8 +115,9 @@ class SpeculativeConfig:
     lengths = self.verify_lengths
     if isinstance(lengths, list):  # as gin may write it; hashable for jit
       object.__setattr__(self, 'verify_lengths', lengths := tuple(lengths))
+    most = self.gamma if self.gamma != AUTO else max(lengths, default=2)
     if (not isinstance(lengths, tuple) or not all(type(k) is int for k in lengths)
-        or any(not 2 <= k <= self.gamma for k in lengths)
+        or any(not 2 <= k <= most for k in lengths)
         or any(a >= b for a, b in zip(lengths, lengths[1:]))):
       raise ValueError(f'verify_lengths must be a tuple of increasing integers in [2, gamma '
                        f'{self.gamma}] (positions of a shorter verify step), got {lengths!r}')
@@ -561,6 +567,10 @@ def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None
   count, next token), for jaxspec.measure.decode_view; costs [b, L, gamma] of loop state.
   """
   check_compatible(target_config, drafter)
+  if spec.gamma == AUTO:
+    raise ValueError("speculative_generate takes an integer gamma; gamma='auto' is chosen "
+                     'per batch by jaxspec.decoding.auto_gamma.AutoGammaDecoder (as the '
+                     'launcher and jaxspec.pairs do)')
   target_params, encoder_tokens, rng = validation.decoder_call(
       target_params, encoder_tokens, rng, sampling)
   drafter_params = validation.drafter_variables(drafter_params)

@@ -28,6 +28,7 @@ per input (line, input, prediction, stats) and the summary goes to stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -53,7 +54,8 @@ from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazil
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.beam_search import BeamConfig, generate_beam
 from jaxspec.decoding.drafters import DraftSources, SharedEncoderDrafter, T5Drafter
-from jaxspec.decoding.speculative import (SpeculativeConfig, check_compatible,
+from jaxspec.decoding import auto_gamma
+from jaxspec.decoding.speculative import (AUTO, SpeculativeConfig, check_compatible,
                                           speculative_generate)
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
 from jaxspec.model import abstract_params
@@ -152,6 +154,7 @@ def _speculative_fields(output, row: int) -> dict:
   stats = output.stats
   return {**_sampled_fields(output.output, row),
           'target_calls': int(stats.row_target_calls[row]),
+          'gamma': int(np.shape(stats.accepted_per_position)[0]),
           'batch_overlap_sum': float(stats.overlap_sum),
           'batch_verified_positions': int(stats.verified_positions),
           'batch_accepted_per_position': np.asarray(stats.accepted_per_position).tolist()}
@@ -184,6 +187,46 @@ RECORD_FIELDS = {'baseline': _sampled_fields, 'speculative': _speculative_fields
 def _pending(batches, writer):
   """The batches holding an example that `writer` has no record of yet."""
   return [b for b in batches if any(i not in writer.records for i in b)]
+
+
+def calibration_batch_count(batch_size: int) -> int:
+  """Batches gamma='auto' calibrates on: at least 2, and 8 examples."""
+  return max(2, -(-8 // batch_size))
+
+
+def calibration_key(target_model, drafter, sampling, speculative, **more) -> dict:
+  """What a calibration's costs depend on: the machine, the models, the decoding
+  settings besides gamma, the lengths (and mesh)."""
+  return json.loads(json.dumps({
+      'machine': auto_gamma.machine_description(),
+      'target_model': inference.describe(target_model), 'drafter': inference.describe(drafter),
+      'sampling': inference.describe(sampling), 'speculative': inference.describe(speculative),
+      **more}, default=str))
+
+
+def auto_gamma_decoder(decode_baseline, decode_speculative, speculative, *, batch_size,
+                       gammas, key, calibration_dir, calibration_batches):
+  """An AutoGammaDecoder for the run: its calibration from the cache where there is one,
+  else measured on `calibration_batches` (the run's first batches) and cached."""
+  if jax.process_count() > 1:
+    raise ValueError("gamma='auto' times decodes on each host and would choose apart; "
+                     'set jaxspec.SpeculativeConfig.gamma to an integer for multi-host runs')
+  auto = auto_gamma.AutoGammaDecoder(
+      decode_baseline, decode_speculative, speculative, batch_size=batch_size, gammas=gammas,
+      key=key, cache=auto_gamma.GammaCostCache(calibration_dir))
+  if auto.load_calibration():
+    logging.info('gamma=auto: calibration from %s', auto.cache.path(auto.key))
+  elif calibration_batches:
+    print(f'gamma=auto: calibrating gammas {auto.gammas} and the baseline on '
+          f'{len(calibration_batches)} batches of {batch_size}', file=sys.stderr)
+    auto.calibrate(calibration_batches)
+  else:  # Nothing left to decode: no decision to make.
+    auto.costs = auto_gamma.BatchCosts(batch_size, 1.0, {})
+  if auto.costs.iteration_seconds:
+    speedups = auto_gamma.predicted_speedups(auto.costs, auto.alpha, auto.lengths or [1])
+    print('gamma=auto: alpha %.3f, predicted speedups %s' % (auto.alpha, {
+        g: round(v, 2) for g, v in speedups.items()}), file=sys.stderr)
+  return auto
 
 
 def _compile_shapes(decode, prepare, pending, input_shape):
@@ -316,6 +359,10 @@ def summarize(task, metric, draft_name, sampling, spec, writers, indices, beam=N
     summary['alpha'] = sum(b['batch_overlap_sum'] for b in batches.values()) / max(verified, 1)
     summary['tokens_per_target_call'] = (sum(len(r['tokens']) for r in records)
                                          / max(sum(r['target_calls'] for r in records), 1))
+    if spec.gamma == AUTO:  # how many batches ran each gamma (0: the baseline)
+      chosen = [b.get('gamma') for b in batches.values()]
+      summary['gamma_choices'] = ' '.join(
+          f'{g}:{chosen.count(g)}' for g in sorted(set(chosen), key=lambda g: (g is None, g)))
   if 'baseline' in seconds and 'speculative' in seconds:
     summary['speedup'] = seconds['baseline'] / max(seconds['speculative'], 1e-9)
     summary['identical_outputs'] = sum(
@@ -369,6 +416,20 @@ def check_beam_settings(*, target_model, drafter, decoders, max_decode_length, s
     raise ValueError(f'speculative beam search drafts with a T5 model: infer.drafter must be '
                      f'a jaxspec.T5Drafter, got {type(drafter).__name__}')
   check_compatible(target_model, drafter)
+
+
+def _checked_speculative(speculative: SpeculativeConfig, auto_gammas) -> SpeculativeConfig:
+  """`speculative` as the settings checks see it: with gamma 'auto', its largest choice
+  (the buffers and memory are sized for it)."""
+  if speculative.gamma != AUTO:
+    return speculative
+  if (isinstance(auto_gammas, (str, bytes)) or not auto_gammas
+      or not all(type(g) is int and g >= 1 for g in auto_gammas)):
+    raise ValueError('infer.auto_gammas must be a tuple of integers >= 1 (the gammas '
+                     f"gamma='auto' chooses from, besides 0), got {auto_gammas!r}")
+  gamma = max(auto_gammas)
+  return dataclasses.replace(speculative, gamma=gamma, verify_lengths=tuple(
+      k for k in speculative.verify_lengths if k <= gamma))
 
 
 def check_settings(*, target_model, drafter, decoders, batch_size, num_examples, input_length,
@@ -478,7 +539,8 @@ def check_memory(target_model, drafter, decoders, batch_size, input_length,
 def run_settings(*, target_model, target_checkpoint, drafter, draft_checkpoint, task,
                  input_length, max_decode_length, batch_size, sampling, speculative, seed,
                  overlong_inputs, decoders=SAMPLING_DECODERS, beam=BeamConfig(),
-                 speculative_beam=SpeculativeBeamConfig(), input_length_buckets=()) -> dict:
+                 speculative_beam=SpeculativeBeamConfig(), input_length_buckets=(),
+                 auto_gammas=None) -> dict:
   """Everything that changes the records: checkpoints (path and content), models,
   drafter, sampling, gamma, the examples, lengths, batch size (timings) and seed, and,
   for runs with a beam decoder, the beam settings (w, alpha, u, gamma). Not the
@@ -500,7 +562,8 @@ def run_settings(*, target_model, target_checkpoint, drafter, draft_checkpoint, 
       **({'input_length_buckets': tuple(input_length_buckets)} if input_length_buckets
          else {}),
       **({'beam': beam, 'speculative_beam': speculative_beam}
-         if set(decoders) & set(BEAM_DECODERS) else {})})
+         if set(decoders) & set(BEAM_DECODERS) else {}),
+      **({'auto_gammas': tuple(auto_gammas)} if auto_gammas else {})})
 
 
 def claim_output_dir(output_dir, settings, on_settings_change, partitioner):
@@ -563,7 +626,9 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
           partitioning: partitioning_lib.PartitioningConfig | None = None,
           on_settings_change: str = 'error', input_file: str | None = None,
           input_field: str | None = None, view_examples: int = 0,
-          interleave: bool = True) -> dict:
+          interleave: bool = True,
+          auto_gammas: tuple[int, ...] = auto_gamma.DEFAULT_GAMMAS,
+          calibration_dir: str | None = None) -> dict:
   """Runs the decoders over the split (or input_file) and returns the summary.
 
   overlong_inputs: 'truncate' (as seqio, with a logged warning counting them) or
@@ -595,12 +660,18 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   walltime ratios compare like with like); False runs each decoder over the whole
   split, one after the other. Only timings depend on it, not outputs, so it is not
   part of the settings a resumed run must match.
+  auto_gammas: with jaxspec.SpeculativeConfig.gamma = 'auto', the gammas calibrated
+  and chosen from per batch (besides 0, the baseline: jaxspec.decoding.auto_gamma);
+  calibration_dir: where calibrations are kept ($JAXSPEC_CALIBRATION_DIR, default
+  ~/.cache/jaxspec/gamma_costs), so later runs of the same pair, machine and batch size
+  start from them.
   """
+  checked_speculative = _checked_speculative(speculative, auto_gammas)
   check_settings(
       target_model=target_model, drafter=drafter, decoders=decoders, batch_size=batch_size,
       num_examples=num_examples, input_length=input_length,
       input_length_buckets=input_length_buckets,
-      max_decode_length=max_decode_length, sampling=sampling, speculative=speculative,
+      max_decode_length=max_decode_length, sampling=sampling, speculative=checked_speculative,
       seed=seed, overlong_inputs=overlong_inputs, on_settings_change=on_settings_change,
       corpus=corpus, split=split, seqio_task=seqio_task, input_file=input_file,
       input_field=input_field, beam=beam, speculative_beam=speculative_beam,
@@ -611,7 +682,7 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   # Multi-host initialization must come before anything touches a device.
   partitioner = partitioning_lib.create_partitioner(partitioning) if partitioning else None
   check_memory(target_model, drafter, decoders, batch_size, input_length, max_decode_length,
-               speculative, partitioner, beam, speculative_beam)
+               checked_speculative, partitioner, beam, speculative_beam)
   if input_file is None:
     task = load_task(corpus, seqio_task, split, num_examples, tfds_data_dir)
   else:
@@ -625,7 +696,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
       input_length_buckets=input_length_buckets,
       max_decode_length=max_decode_length, batch_size=batch_size, sampling=sampling,
       speculative=speculative, seed=seed, overlong_inputs=overlong_inputs, decoders=decoders,
-      beam=beam, speculative_beam=speculative_beam)
+      beam=beam, speculative_beam=speculative_beam,
+      auto_gammas=auto_gammas if speculative.gamma == AUTO else None)
   fingerprint = inference.settings_fingerprint(settings)
   output_dir, lock = claim_output_dir(output_dir, settings, on_settings_change, partitioner)
   try:
@@ -637,7 +709,7 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
         speculative=speculative, decoders=decoders, seed=seed, partitioner=partitioner,
         input_length_buckets=input_length_buckets, own_text=input_file is not None,
         view_examples=view_examples, beam=beam, speculative_beam=speculative_beam,
-        interleave=interleave)
+        interleave=interleave, auto_gammas=auto_gammas, calibration_dir=calibration_dir)
   finally:
     if lock is not None:
       lock.release()
@@ -649,7 +721,9 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
                           seed, partitioner, own_text, input_length_buckets=(),
                           view_examples=0, beam=BeamConfig(),
                           speculative_beam=SpeculativeBeamConfig(),
-                          interleave: bool = True) -> dict:
+                          interleave: bool = True,
+                          auto_gammas: tuple[int, ...] = auto_gamma.DEFAULT_GAMMAS,
+                          calibration_dir: str | None = None) -> dict:
   """Loads the models, decodes what output_dir lacks and writes the summary."""
   examples, vocab = task.examples, task.vocab
   target_params = (partitioner.load_params(target_checkpoint, target_model) if partitioner
@@ -675,14 +749,16 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
     return tuple(map(partitioner.shard_batch, batch)) if partitioner else tuple(
         map(jnp.asarray, batch))
 
+  def decode_speculative(batch, spec):
+    return speculative_generate(
+        target_params, params, *batch, target_config=target_model, drafter=drafter,
+        spec=spec, max_decode_length=max_decode_length, sampling=sampling)
+
   decode_fns = {  # Each decodes a pad_batch.
       'baseline': lambda batch: generate(
           target_params, *batch, config=target_model,
           max_decode_length=max_decode_length, sampling=sampling),
-      'speculative': lambda batch: speculative_generate(
-          target_params, params, *batch, target_config=target_model,
-          drafter=drafter, spec=speculative, max_decode_length=max_decode_length,
-          sampling=sampling),
+      'speculative': lambda batch: decode_speculative(batch, speculative),
       'beam': lambda batch: generate_beam(
           target_params, batch[0], config=target_model, beam=beam,
           max_decode_length=max_decode_length),
@@ -694,11 +770,12 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   open_writer = inference.ResumableJsonl
   if partitioner:  # Outputs gathered to every host; only process 0 writes them.
     def on_mesh(fn):
-      def decode(batch):
+      def decode(*args):
         with partitioner.activation_sharding():  # Traced with activation constraints.
-          return partitioner.to_host(fn(batch))
+          return partitioner.to_host(fn(*args))
       return decode
     decode_fns = {name: on_mesh(fn) for name, fn in decode_fns.items()}
+    decode_speculative = on_mesh(decode_speculative)
     open_writer = lambda path: partitioning_lib.process_zero_writer(  # noqa: E731
         inference.ResumableJsonl, path)
   batches = [list(range(i, min(i + batch_size, len(examples))))
@@ -706,13 +783,25 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   writers = {name: open_writer(os.path.join(output_dir, f'{name}.jsonl'))
              for name in decoders}
   check_records(writers, examples, fingerprint)
+  auto = None
+  if speculative.gamma == AUTO and 'speculative' in decoders:
+    auto = auto_gamma_decoder(
+        decode_fns['baseline'], decode_speculative,
+        speculative, batch_size=batch_size, gammas=auto_gammas,
+        key=calibration_key(target_model, drafter, sampling, speculative,
+                            input_length=inputs.shape[1], max_decode_length=max_decode_length,
+                            mesh=dict(partitioner.mesh.shape) if partitioner else None),
+        calibration_dir=calibration_dir,
+        calibration_batches=[pad_batch(indices) for indices in _pending(
+            batches, writers['speculative'])[:calibration_batch_count(batch_size)]])
+    decode_fns['speculative'] = auto
   _run_decoders(decode_fns, pad_batch, batches, examples, vocab, writers, fingerprint,
                 lambda idx: batch_tokens(idx).shape, interleave)
   if view_examples and 'speculative' in decoders:
     traced = lambda idx: speculative_generate(  # noqa: E731
         target_params, params, *pad_batch(idx), target_config=target_model,
-        drafter=drafter, spec=speculative, max_decode_length=max_decode_length,
-        sampling=sampling, record_trace=True)
+        drafter=drafter, spec=auto.spec_for(max(auto.choose(), 1)) if auto else speculative,
+        max_decode_length=max_decode_length, sampling=sampling, record_trace=True)
     write_views(traced, examples[:view_examples], vocab, output_dir,
                 partitioner is None or partitioner.is_output_process)
   if partitioner and not partitioner.is_output_process:

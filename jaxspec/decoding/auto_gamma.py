@@ -1,0 +1,356 @@
+"""gamma chosen per batch from measured costs: speculative decoding that never loses.
+
+Every gamma is exact (at temperature 0 the output is the baseline's token for token, with
+coupled verification its very draws, otherwise the target's distribution), so gamma is a
+speed setting only, and which one pays depends on the batch size and the machine. On a
+2-core CPU a verify step over b rows x (gamma + 1) positions is nearly free at b = 1 and
+compute-bound by b = 8, where speculation with any gamma loses to the baseline; on an
+accelerator the crossover sits elsewhere. gamma = 0 means the baseline itself.
+
+The model. A batch decodes until its longest row ends.
+  baseline:     time = steps x step_seconds,            steps = the longest row's tokens
+  speculative:  time = iterations x iteration_seconds[g], iterations = the most any row takes
+Each iteration of a row accepts its drafts up to the first rejection, each accepted with
+probability alpha (the paper's i.i.d. model, Section 3.1), and adds one token.
+E[iterations] and E[steps] come from simulating batches of the output lengths seen so far
+(`expected_batch_iterations`); step_seconds and iteration_seconds[g] are measured on the
+machine, for the pair and the batch size (`BatchCosts`, by `AutoGammaDecoder.calibrate`
+from whole decodes, so the loop's own bookkeeping is in them), and alpha is the running
+estimate (Corollary 3.6) over every speculative batch decoded so far.
+
+`choose_gamma` is pure (a cost table and alpha in, gamma out); `AutoGammaDecoder` decodes
+batches with it, measuring as it goes; `GammaCostCache` keeps calibrations in JSON files
+keyed by machine, pair, dtype, platform and batch size, so a later run starts from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.decoding.common import DecodeOutput
+from jaxspec.decoding.speculative import AUTO  # noqa: F401  (re-exported)
+from jaxspec.decoding.speculative import SpeculativeConfig, SpeculativeOutput, SpeculativeStats
+
+DEFAULT_GAMMAS = (1, 2, 3, 5, 9)  # gammas measured by calibration (gamma 0 always is)
+# Speculation is chosen only where the model predicts at least this speedup: below it a
+# prediction error would cost more than the gain.
+MIN_SPEEDUP = 1.05
+CACHE_DIR_ENV = 'JAXSPEC_CALIBRATION_DIR'
+
+
+@dataclasses.dataclass
+class BatchCosts:
+  """Measured at one batch size: seconds per baseline step and per speculative iteration
+  of each gamma (the decoder's whole time over the steps or iterations it ran).
+
+  Where the costs come from whole decodes of real batches, `measured_speedup[g]` is the
+  baseline's time over gamma g's on those same batches, at `alpha` with `lengths`: the
+  model's prediction is scaled to agree with it there (`predicted_speedups`), so what
+  the model leaves out (rows finishing apart, the first proposal, cache effects) is
+  carried by the measurement and only the drift of alpha and lengths by the model."""
+  batch_size: int
+  step_seconds: float
+  iteration_seconds: dict[int, float]
+  measured_speedup: dict[int, float] = dataclasses.field(default_factory=dict)
+  alpha: float | None = None  # over the measured batches
+  lengths: tuple[int, ...] = ()  # output lengths of the measured batches
+
+  def to_json(self) -> dict:
+    return {'batch_size': self.batch_size, 'step_seconds': self.step_seconds,
+            'iteration_seconds': {str(g): s for g, s in self.iteration_seconds.items()},
+            'measured_speedup': {str(g): s for g, s in self.measured_speedup.items()},
+            'alpha': self.alpha, 'lengths': list(self.lengths)}
+
+  @classmethod
+  def from_json(cls, data: Mapping[str, Any]) -> 'BatchCosts':
+    return cls(batch_size=int(data['batch_size']), step_seconds=float(data['step_seconds']),
+               iteration_seconds={int(g): float(s)
+                                  for g, s in data['iteration_seconds'].items()},
+               measured_speedup={int(g): float(s)
+                                 for g, s in data.get('measured_speedup', {}).items()},
+               alpha=data.get('alpha'), lengths=tuple(data.get('lengths', ())))
+
+
+def row_iterations(lengths: np.ndarray, alpha: float, gamma: int,
+                   rng: np.random.Generator) -> np.ndarray:
+  """Iterations each row of lengths [...] (its tokens, EOS included) takes under the
+  i.i.d. acceptance model: per iteration min(Geometric, gamma) accepted drafts plus one
+  token. -> [...] int."""
+  produced = np.zeros(lengths.shape, np.int64)
+  iterations = np.zeros(lengths.shape, np.int64)
+  while np.any(produced < lengths):
+    decoding = produced < lengths
+    if alpha >= 1.0:
+      accepted = np.full(lengths.shape, gamma)
+    elif alpha <= 0.0:
+      accepted = np.zeros(lengths.shape, np.int64)
+    else:  # successes before the first failure, at most gamma
+      accepted = np.minimum(rng.geometric(1.0 - alpha, lengths.shape) - 1, gamma)
+    produced += np.where(decoding, accepted + 1, 0)
+    iterations += decoding
+  return iterations
+
+
+def expected_batch_iterations(lengths: Sequence[int], alpha: float, gamma: int,
+                              batch_size: int, samples: int = 512,
+                              seed: int = 0) -> tuple[float, float]:
+  """(E[baseline steps], E[speculative iterations]) of a batch of batch_size rows whose
+  lengths are drawn from `lengths` (outputs seen, EOS included): the longest row's
+  tokens, and the most iterations any row takes with `gamma` at `alpha`."""
+  rng = np.random.default_rng(seed)
+  drawn = rng.choice(np.asarray(lengths, np.int64), size=(samples, batch_size))
+  steps = drawn.max(axis=1).mean()
+  if gamma == 0:
+    return float(steps), float(steps)
+  return float(steps), float(row_iterations(drawn, alpha, gamma, rng).max(axis=1).mean())
+
+
+def model_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
+                   ) -> dict[int, float]:
+  """{gamma: baseline time / speculative time} by the model alone (0: 1.0)."""
+  speedups = {0: 1.0}
+  for gamma, seconds in sorted(costs.iteration_seconds.items()):
+    steps, iterations = expected_batch_iterations(lengths, alpha, gamma, costs.batch_size)
+    speedups[gamma] = steps * costs.step_seconds / max(iterations * seconds, 1e-12)
+  return speedups
+
+
+def predicted_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
+                       ) -> dict[int, float]:
+  """{gamma: predicted speedup} at `alpha` with outputs of `lengths`: the model's, scaled
+  by measured / modelled at the measurement's own alpha and lengths where the costs
+  carry a measurement."""
+  speedups = model_speedups(costs, alpha, lengths)
+  if costs.measured_speedup and costs.alpha is not None and costs.lengths:
+    at_measurement = model_speedups(costs, costs.alpha, costs.lengths)
+    for gamma, measured in costs.measured_speedup.items():
+      if gamma in speedups:
+        speedups[gamma] *= measured / max(at_measurement[gamma], 1e-12)
+  return speedups
+
+
+def choose_gamma(costs: BatchCosts, alpha: float, lengths: Sequence[int],
+                 min_speedup: float = MIN_SPEEDUP, current: int | None = None) -> int:
+  """The gamma of the largest predicted speedup; 0 (the baseline) unless some gamma is
+  predicted at least min_speedup. With `current` (the gamma in use), a switch needs
+  the new gamma predicted min_speedup times faster than it: each program compiles on
+  first use, and flipping between near-equal choices would only pay compiles."""
+  speedups = predicted_speedups(costs, alpha, lengths)
+  best = max(speedups, key=lambda g: (speedups[g], -g))
+  if not best or speedups[best] < min_speedup:
+    best = 0
+  if current is not None and current in speedups and best != current:
+    if speedups[best] < min_speedup * speedups[current]:
+      return current
+  return best
+
+
+def as_speculative_output(output: DecodeOutput) -> SpeculativeOutput:
+  """A baseline decode as a gamma-0 SpeculativeOutput: one target call a token (the
+  batch's steps: its longest row), no drafts."""
+  steps = jnp.max(output.lengths).astype(jnp.int32)
+  zero = jnp.zeros((), jnp.int32)
+  stats = SpeculativeStats(
+      target_calls=steps, draft_calls=zero, row_target_calls=output.lengths.astype(jnp.int32),
+      accepted_per_position=jnp.zeros((0,), jnp.int32),
+      num_accepted_counts=jnp.zeros((1,), jnp.int32), overlap_sum=jnp.zeros((), jnp.float32),
+      verified_positions=zero, num_drafted_counts=jnp.zeros((1,), jnp.int32),
+      target_positions=steps * output.lengths.shape[0])
+  return SpeculativeOutput(output=output, stats=stats)
+
+
+def machine_description() -> dict:
+  """What decode costs depend on beyond the model: the device, or the CPU's model and
+  cores; the platform; jax's version."""
+  device = jax.devices()[0]
+  description = {'platform': jax.default_backend(), 'device': device.device_kind,
+                 'devices': jax.device_count(), 'jax': jax.__version__}
+  if jax.default_backend() == 'cpu':
+    description.update(cpu=_cpu_model(), cores=os.cpu_count(), machine=platform.machine())
+  return description
+
+
+def _cpu_model() -> str:
+  try:
+    with open('/proc/cpuinfo') as cpuinfo:
+      for line in cpuinfo:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or 'unknown'
+
+
+class GammaCostCache:
+  """Calibrations in JSON files under `directory` ($JAXSPEC_CALIBRATION_DIR, default
+  ~/.cache/jaxspec/gamma_costs), one a key: {'key': what was measured, 'costs',
+  'alpha', 'lengths'}."""
+
+  def __init__(self, directory: str | os.PathLike | None = None):
+    default = pathlib.Path(os.environ.get('XDG_CACHE_HOME', pathlib.Path.home() / '.cache'))
+    self.directory = pathlib.Path(directory or os.environ.get(CACHE_DIR_ENV)
+                                  or default / 'jaxspec' / 'gamma_costs')
+
+  def path(self, key: Mapping[str, Any]) -> pathlib.Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return self.directory / f'{digest}.json'
+
+  def load(self, key: Mapping[str, Any]) -> dict | None:
+    path = self.path(key)
+    try:
+      data = json.loads(path.read_text())
+    except (OSError, ValueError):
+      return None
+    return data if data.get('key') == json.loads(json.dumps(key)) else None
+
+  def save(self, key: Mapping[str, Any], costs: BatchCosts, alpha: float,
+           lengths: Sequence[int]):
+    path = self.path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f'.tmp{os.getpid()}')
+    scratch.write_text(json.dumps({'key': key, 'costs': costs.to_json(), 'alpha': alpha,
+                                   'lengths': [int(n) for n in lengths]}, indent=1))
+    os.replace(scratch, path)
+
+
+def _timed(decode: Callable, batch):
+  start = time.perf_counter()
+  output = jax.block_until_ready(decode(batch))
+  return output, time.perf_counter() - start
+
+
+class AutoGammaDecoder:
+  """Speculative decoding with gamma chosen per batch (0: the baseline), from costs
+  measured for this batch size and the running alpha and output lengths.
+
+  decode_baseline(batch) -> DecodeOutput and decode_speculative(batch, spec) ->
+  SpeculativeOutput decode one batch (the caller's arrays: tokens, keys, placement);
+  spec is `spec` with the chosen gamma (verify_lengths kept where they fit it).
+  Calling the decoder returns a SpeculativeOutput whatever it chose (a baseline decode as
+  gamma 0: `as_speculative_output`); `gamma_counts` says how often it chose each gamma.
+  """
+
+  def __init__(self, decode_baseline: Callable, decode_speculative: Callable,
+               spec: SpeculativeConfig, *, batch_size: int,
+               gammas: Sequence[int] = DEFAULT_GAMMAS, key: Mapping[str, Any] | None = None,
+               cache: GammaCostCache | None = None, min_speedup: float = MIN_SPEEDUP,
+               refresh_batches: int = 32):
+    gammas = tuple(sorted(set(int(g) for g in gammas)))
+    if not gammas or gammas[0] < 1:
+      raise ValueError(f'auto gammas must be integers >= 1 (0, the baseline, is always '
+                       f'a choice), got {gammas!r}')
+    self.decode_baseline, self.decode_speculative = decode_baseline, decode_speculative
+    self.spec, self.batch_size, self.gammas = spec, batch_size, gammas
+    self.key = None if key is None else {**key, 'batch_size': batch_size, 'gammas': gammas}
+    self.cache, self.min_speedup = cache, min_speedup
+    self.costs: BatchCosts | None = None
+    self.overlap_sum, self.verified_positions = 0.0, 0
+    self.lengths: list[int] = []
+    self.gamma_counts: dict[int, int] = {}
+    self.current: int | None = None  # the gamma in use
+    self.refresh_batches = refresh_batches
+    self._since_decision = 0
+    self._alpha_prior: float | None = None
+
+  def spec_for(self, gamma: int) -> SpeculativeConfig:
+    lengths = tuple(k for k in self.spec.verify_lengths if k <= gamma)
+    return dataclasses.replace(self.spec, gamma=gamma, verify_lengths=lengths)
+
+  @property
+  def alpha(self) -> float:
+    if self.verified_positions:
+      return self.overlap_sum / self.verified_positions
+    return 0.0 if self._alpha_prior is None else self._alpha_prior
+
+  def _observe(self, output: SpeculativeOutput, lengths: bool = True):
+    stats = jax.device_get(output.stats)
+    self.overlap_sum += float(stats.overlap_sum)
+    self.verified_positions += int(stats.verified_positions)
+    if lengths:
+      self.lengths.extend(int(n) for n in jax.device_get(output.output.lengths))
+
+  def load_calibration(self) -> bool:
+    """The cached costs (and alpha, lengths as priors) for this key, where there are."""
+    if self.cache is None or self.key is None:
+      return False
+    data = self.cache.load(self.key)
+    if data is None:
+      return False
+    self.costs = BatchCosts.from_json(data['costs'])
+    self._alpha_prior = float(data['alpha'])
+    self.lengths = self.lengths or list(data['lengths'])
+    return True
+
+  def calibrate(self, batches: Sequence[Any], repeats: int = 2):
+    """Measures step_seconds and iteration_seconds[g] over `batches` (decoded once each
+    untimed first, which compiles), interleaving the decoders so that load hits all
+    alike; the fastest of `repeats` rounds. Saves them in the cache."""
+    decoders = {0: self.decode_baseline}
+    decoders.update({g: (lambda batch, g=g: self.decode_speculative(batch, self.spec_for(g)))
+                     for g in self.gammas})
+    for decode in decoders.values():
+      jax.block_until_ready(decode(batches[0]))
+    best: dict[int, float] = {}
+    totals = {g: np.inf for g in decoders}
+    for repeat in range(repeats):
+      seconds = {g: 0.0 for g in decoders}
+      units = {g: 0 for g in decoders}
+      for batch in batches:
+        for gamma, decode in decoders.items():
+          output, elapsed = _timed(decode, batch)
+          seconds[gamma] += elapsed
+          if gamma == 0:
+            units[0] += int(jnp.max(output.lengths))
+            if repeat == 0:
+              self.lengths.extend(int(n) for n in jax.device_get(output.lengths))
+          else:
+            units[gamma] += int(output.stats.target_calls)
+            if repeat == 0:
+              self._observe(output, lengths=False)
+      for gamma in decoders:
+        best[gamma] = min(best.get(gamma, np.inf), seconds[gamma] / max(units[gamma], 1))
+        totals[gamma] = min(totals[gamma], seconds[gamma])
+    self.costs = BatchCosts(
+        batch_size=self.batch_size, step_seconds=best[0],
+        iteration_seconds={g: best[g] for g in self.gammas},
+        measured_speedup={g: totals[0] / max(totals[g], 1e-12) for g in self.gammas},
+        alpha=self.alpha, lengths=tuple(self.lengths))
+    if self.cache is not None and self.key is not None:
+      self.cache.save(self.key, self.costs, self.alpha, self.lengths)
+
+  def choose(self) -> int:
+    """The gamma for the next batch: decided anew every `refresh_batches` batches (a
+    decision simulates batches: milliseconds), with hysteresis around the one in use."""
+    if self.costs is None:
+      raise ValueError('AutoGammaDecoder has no costs: calibrate() or load_calibration() '
+                       'first')
+    if not self.lengths or not self.costs.iteration_seconds:
+      return 0
+    if self.current is None or self._since_decision >= self.refresh_batches:
+      self.current = choose_gamma(self.costs, self.alpha, self.lengths, self.min_speedup,
+                                  self.current)
+      self._since_decision = 0
+    self._since_decision += 1
+    return self.current
+
+  def __call__(self, batch) -> SpeculativeOutput:
+    gamma = self.choose()
+    self.gamma_counts[gamma] = self.gamma_counts.get(gamma, 0) + 1
+    if gamma == 0:
+      output = as_speculative_output(self.decode_baseline(batch))
+      self.lengths.extend(int(n) for n in jax.device_get(output.output.lengths))
+      return output
+    output = self.decode_speculative(batch, self.spec_for(gamma))
+    self._observe(output)
+    return output
