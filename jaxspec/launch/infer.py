@@ -341,6 +341,8 @@ def summarize(task, metric, draft_name, sampling, spec, writers, indices, beam=N
                    draft_beams=speculative_beam.draft_width(beam.num_beams),
                    beam_gamma=speculative_beam.gamma)
   summary['examples'] = len(common)
+  first = next(iter(writers.values()))  # output tokens, EOS included (tokens per second)
+  summary['output_tokens'] = sum(len(first.records[i]['tokens']) for i in common)
   seconds = {}
   for name, writer in writers.items():
     records = [writer.records[i] for i in common]

@@ -1,0 +1,166 @@
+"""The main job at every batch size: baseline and speculative decoding side by side.
+
+  jaxspec-batch-sizes                                   # the main job, batch 1..32, T = 0 and 1
+  jaxspec-batch-sizes --batch_sizes=1,8 --temperatures=0 --num_examples=64
+
+For each batch size and temperature it runs the launcher (jaxspec.launch.infer) on the
+main job's gin file with that batch size and temperature, baseline and speculative
+interleaved batch by batch in one process, and collects tokens per second of each,
+their ratio, the gammas gamma='auto' chose and identical outputs. After each run it
+rewrites <output_dir>/<machine>.json and .md (so a cut-off run keeps what it measured),
+and at the end a PNG of speedup against batch size. Each record carries the commit,
+date, machine (CPU model, cores, caches; or the accelerator), load and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import gin
+import jax
+
+from jaxspec import inference
+from jaxspec.decoding import auto_gamma
+from jaxspec.launch import gin_flags
+from jaxspec.launch import infer as infer_script
+
+DEFAULT_GIN_FILE = infer_script.DEFAULT_GIN_FILE
+COLUMNS = ('batch_size', 'temperature', 'examples', 'baseline_tokens_per_second',
+           'speculative_tokens_per_second', 'speedup', 'gamma_choices', 'alpha',
+           'identical_outputs')
+
+
+def _lscpu_caches() -> dict:
+  try:
+    text = subprocess.run(['lscpu'], capture_output=True, text=True, check=True).stdout
+  except (OSError, subprocess.CalledProcessError):
+    return {}
+  caches = {}
+  for line in text.splitlines():
+    match = re.match(r'\s*(L\d\w?) cache:\s*(.+)', line)
+    if match:
+      caches[match.group(1)] = match.group(2).strip()
+  return caches
+
+
+def machine() -> dict:
+  """The machine the numbers belong to: the device or CPU model, cores, caches."""
+  description = auto_gamma.machine_description()
+  if description['platform'] == 'cpu':
+    description['caches'] = _lscpu_caches()
+  return description
+
+
+def provenance(argv) -> dict:
+  try:
+    commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+  except OSError:
+    commit = ''
+  return {'commit': commit or None, 'date': time.strftime('%Y-%m-%d %H:%M %Z'),
+          'machine': machine(), 'load_average': list(os.getloadavg()),
+          'command': ' '.join(['jaxspec-batch-sizes', *argv])}
+
+
+def row(summary: dict, batch_size: int, temperature: float) -> dict:
+  """One table row from the launcher's summary (its records' tokens over its seconds)."""
+  tokens = summary['output_tokens']
+  return {
+      'batch_size': batch_size, 'temperature': temperature, 'examples': summary['examples'],
+      'baseline_tokens_per_second': tokens / summary['baseline_seconds'],
+      'speculative_tokens_per_second': tokens / summary['speculative_seconds'],
+      'speedup': summary['speedup'], 'gamma_choices': summary.get('gamma_choices', ''),
+      'alpha': summary.get('alpha'),
+      'identical_outputs': f"{summary['identical_outputs']}/{summary['examples']}"}
+
+
+def write(output_dir: str, name: str, record: dict, plot: bool = False):
+  os.makedirs(output_dir, exist_ok=True)
+  path = os.path.join(output_dir, name)
+  inference.write_text_atomic(path + '.json', json.dumps(record, indent=1))
+  rows = [{k: (f'{v:.2f}' if isinstance(v, float) else v) for k, v in r.items()}
+          for r in record['rows']]
+  machine_line = ', '.join(f'{k} {v}' for k, v in record['provenance']['machine'].items())
+  inference.write_text_atomic(path + '.md', (
+      f"Main job at each batch size ({record['gin_file']}), {machine_line}; "
+      f"commit {record['provenance']['commit']}.\n\n"
+      + inference.markdown_table(rows, COLUMNS)))
+  if plot and record['rows']:
+    _plot(path + '.png', record['rows'])
+
+
+def _plot(path: str, rows):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  figure, axis = plt.subplots(figsize=(6, 4))
+  for temperature in sorted({r['temperature'] for r in rows}):
+    points = sorted((r['batch_size'], r['speedup']) for r in rows
+                    if r['temperature'] == temperature)
+    axis.plot(*zip(*points), marker='o', label=f'T = {temperature:g}')
+  axis.axhline(1.0, color='gray', linewidth=0.8)
+  axis.set_xscale('log', base=2)
+  axis.set_xlabel('batch size')
+  axis.set_ylabel('speedup over the baseline')
+  axis.legend()
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+
+
+def run(*, gin_file: str, batch_sizes, temperatures, num_examples: int, output_dir: str,
+        name: str, extra_flags=(), argv=()) -> dict:
+  record = {'gin_file': gin_file, 'num_examples': num_examples,
+            'provenance': provenance(argv), 'rows': []}
+  for temperature in temperatures:
+    for batch_size in batch_sizes:
+      gin.clear_config()
+      run_dir = os.path.join(output_dir, 'runs', f'{name}_b{batch_size}_t{temperature:g}')
+      gin_flags.parse([f'--gin_file={gin_file}', *extra_flags,
+                       f'--gin.TEMPERATURE={float(temperature)}',
+                       f'--gin.infer.batch_size={batch_size}',
+                       f'--gin.infer.num_examples={num_examples}',
+                       f"--gin.infer.output_dir='{run_dir}'"])
+      summary = infer_script.infer()
+      record['rows'].append(row(summary, batch_size, float(temperature)))
+      record['provenance']['load_average'] = list(os.getloadavg())
+      write(output_dir, name, record)
+      print(f'batch {batch_size}, T={temperature:g}: speedup {summary["speedup"]:.2f} '
+            f'({summary.get("gamma_choices", "")})', file=sys.stderr, flush=True)
+  write(output_dir, name, record, plot=True)
+  return record
+
+
+def _ints(text: str):
+  return [int(x) for x in text.split(',') if x]
+
+
+def main(argv: list[str] | None = None):
+  argv = sys.argv[1:] if argv is None else argv
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--gin_file', default=DEFAULT_GIN_FILE)
+  parser.add_argument('--batch_sizes', type=_ints, default=[1, 2, 4, 8, 16, 32])
+  parser.add_argument('--temperatures', default='0,1',
+                      type=lambda t: [float(x) for x in t.split(',') if x])
+  parser.add_argument('--num_examples', type=int, default=256)
+  parser.add_argument('--output_dir', default='results/batch_sizes')
+  parser.add_argument('--name', default=None,
+                      help='file name of the results (default: the machine, slugged)')
+  args, extra = parser.parse_known_args(argv)
+  if any(not flag.startswith('--gin') for flag in extra):
+    parser.error(f'unknown flags {extra}')
+  name = args.name or re.sub(r'[^a-z0-9]+', '-', (
+      machine().get('cpu') or jax.devices()[0].device_kind).lower()).strip('-')
+  run(gin_file=args.gin_file, batch_sizes=args.batch_sizes, temperatures=args.temperatures,
+      num_examples=args.num_examples, output_dir=args.output_dir, name=name,
+      extra_flags=extra, argv=argv)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,254 @@
+"""jaxspec.decoding.auto_gamma: the batch model against exact values, the choice against
+brute force on simulated cost tables, the decoder's fallback to the baseline when a
+draft cannot pay, outputs that never change, the calibration cache, and the launcher
+with gamma='auto'."""
+
+import dataclasses
+import json
+import math
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.config import get_config
+from jaxspec.decoding import auto_gamma
+from jaxspec.decoding.auto_gamma import (AutoGammaDecoder, BatchCosts, GammaCostCache,
+                                         choose_gamma, expected_batch_iterations,
+                                         predicted_speedups, row_iterations)
+from jaxspec.decoding.baseline import generate
+from jaxspec.decoding.drafters import Drafter, T5Drafter
+from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
+from jaxspec.launch import gin_flags
+from jaxspec.launch import infer as infer_script
+from jaxspec.measure import cost_model
+from jaxspec.model import init_params
+from jaxspec.sampling import SamplingConfig
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+# ----------------------------------------------------------------------------------
+# The model.
+
+
+@pytest.mark.parametrize('gamma', [1, 3, 9])
+def test_row_iterations_at_alpha_one_and_zero_are_exact(gamma):
+  lengths = np.arange(1, 40)
+  rng = np.random.default_rng(0)
+  np.testing.assert_array_equal(row_iterations(lengths, 1.0, gamma, rng),
+                                -(-lengths // (gamma + 1)))  # ceil(L / (gamma + 1))
+  np.testing.assert_array_equal(row_iterations(lengths, 0.0, gamma, rng), lengths)
+
+
+@pytest.mark.parametrize('alpha, gamma, length', [(0.6, 3, 12), (0.9, 5, 20), (0.98, 9, 13)])
+def test_one_row_mean_matches_the_exact_recursion(alpha, gamma, length):
+  """Batch 1: the simulation's mean iterations against cost_model's exact expected
+  target calls for an output of `length` tokens (an independent recursion)."""
+  calls, _ = cost_model.expected_calls_and_drafts(alpha, gamma, length)
+  rng = np.random.default_rng(1)
+  simulated = row_iterations(np.full(20000, length), alpha, gamma, rng)
+  assert abs(simulated.mean() - calls[length]) < 4 * simulated.std() / math.sqrt(20000)
+
+
+def test_a_batch_takes_its_longest_row():
+  steps, iterations = expected_batch_iterations([5, 30], 1.0, 4, batch_size=8, samples=4096)
+  # 8 rows of 5 or 30 tokens: the longest is 30 unless all 8 drew 5.
+  assert steps == pytest.approx(30 - 25 / 2**8, abs=0.5)
+  assert iterations == pytest.approx(6 - 5 / 2**8, abs=0.1)  # ceil(30 / 5) = 6, or 1
+  steps_one, iterations_one = expected_batch_iterations([5, 30], 1.0, 4, batch_size=1,
+                                                        samples=4096)
+  assert steps_one == pytest.approx(17.5, abs=0.7)
+  assert iterations_one == pytest.approx(3.5, abs=0.1)
+
+
+def _brute_force_best(costs: BatchCosts, length: int, min_speedup: float) -> int:
+  """At alpha 1 and one output length every quantity is exact: the baseline takes
+  `length` steps and gamma g takes ceil(length / (g + 1)) iterations."""
+  speedups = {g: length * costs.step_seconds / (-(-length // (g + 1)) * seconds)
+              for g, seconds in costs.iteration_seconds.items()}
+  best = max(speedups, key=lambda g: (speedups[g], -g))
+  return best if speedups[best] >= min_speedup else 0
+
+
+@pytest.mark.parametrize('seed', range(20))
+def test_choice_is_what_the_model_predicts_on_simulated_cost_tables(seed):
+  rng = np.random.default_rng(seed)
+  step = 0.01
+  gammas = (1, 2, 3, 5, 9)
+  # Iterations costing a verify step of V(g + 1) plus g draft steps of c each.
+  c, v_slope = rng.uniform(0.0, 0.6), rng.uniform(0.0, 1.0)
+  costs = BatchCosts(batch_size=int(rng.integers(1, 5)), step_seconds=step,
+                     iteration_seconds={g: step * (1 + v_slope * g + c * g) for g in gammas})
+  length = int(rng.integers(4, 40))
+  chosen = choose_gamma(costs, 1.0, [length])
+  assert chosen == _brute_force_best(costs, length, auto_gamma.MIN_SPEEDUP)
+
+
+def test_the_baseline_is_chosen_where_no_gamma_pays():
+  costs = BatchCosts(batch_size=8, step_seconds=0.01,
+                     iteration_seconds={1: 0.03, 3: 0.06, 9: 0.2})
+  assert choose_gamma(costs, 0.99, [12, 20, 25]) == 0
+  # 3% predicted is below MIN_SPEEDUP: not worth a prediction error.
+  costs = BatchCosts(batch_size=1, step_seconds=0.01, iteration_seconds={1: 0.0194})
+  assert predicted_speedups(costs, 1.0, [20])[1] == pytest.approx(1.03, abs=0.001)
+  assert choose_gamma(costs, 1.0, [20]) == 0
+
+
+def test_a_switch_needs_a_clear_gain():
+  costs = BatchCosts(batch_size=1, step_seconds=0.01, iteration_seconds={2: 0.0140, 3: 0.0182})
+  # ceil(24/3) = 8 x 14 ms against ceil(24/4) = 6 x 18.2 ms: gamma 3 is 2.6% faster.
+  assert choose_gamma(costs, 1.0, [24]) == 3
+  assert choose_gamma(costs, 1.0, [24], current=2) == 2  # under MIN_SPEEDUP better
+  costs.iteration_seconds[3] = 0.0170  # 6 x 17 ms: 9.8% faster
+  assert choose_gamma(costs, 1.0, [24], current=2) == 3
+
+
+def test_measured_speedups_scale_the_model_at_their_own_alpha():
+  costs = BatchCosts(batch_size=2, step_seconds=0.01, iteration_seconds={3: 0.02},
+                     measured_speedup={3: 1.2}, alpha=0.9, lengths=(10, 14, 20))
+  assert predicted_speedups(costs, 0.9, [10, 14, 20])[3] == pytest.approx(1.2)
+  # A higher running alpha moves the prediction the way the model moves.
+  model = auto_gamma.model_speedups(costs, 0.99, [10, 14, 20])[3]
+  at_measurement = auto_gamma.model_speedups(costs, 0.9, [10, 14, 20])[3]
+  assert predicted_speedups(costs, 0.99, [10, 14, 20])[3] == pytest.approx(
+      1.2 * model / at_measurement)
+  assert model > at_measurement
+
+
+def test_calibrations_round_trip_by_key(tmp_path):
+  cache = GammaCostCache(tmp_path)
+  key = {'machine': {'cpu': 'x'}, 'batch_size': 4}
+  costs = BatchCosts(4, 0.01, {1: 0.02, 9: 0.05}, {1: 0.9, 9: 0.7}, 0.95, (3, 4))
+  cache.save(key, costs, 0.95, [3, 4])
+  data = cache.load(key)
+  assert BatchCosts.from_json(data['costs']) == costs
+  assert data['alpha'] == 0.95 and data['lengths'] == [3, 4]
+  assert cache.load({**key, 'batch_size': 8}) is None
+
+
+def test_speculative_generate_refuses_auto_with_the_way_to_use_it():
+  config = get_config('test_tiny_1_1')
+  params = init_params(config, jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match='AutoGammaDecoder'):
+    speculative_generate(params, params, [[4, 5, 1]], target_config=config,
+                         drafter=T5Drafter(config), spec=SpeculativeConfig(gamma='auto'),
+                         max_decode_length=4)
+  with pytest.raises(ValueError, match="integer >= 1 or 'auto'"):
+    SpeculativeConfig(gamma='fast')
+
+
+# ----------------------------------------------------------------------------------
+# The decoder on tiny models.
+
+TARGET = get_config('test_tiny_1_1')
+DRAFT = dataclasses.replace(TARGET, num_decoder_layers=1)
+MAX_LEN = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlowDrafter(Drafter):
+  """A T5 drafter made artificially slow: each proposal also runs `work` dependent
+  matrix products, whose result is added to q times 0 (so they cannot be skipped)."""
+  inner: T5Drafter
+  work: int = 200
+
+  @property
+  def vocab_size(self):
+    return self.inner.vocab_size
+
+  def init_state(self, params, encoder_tokens, max_length):
+    return self.inner.init_state(params, encoder_tokens, max_length)
+
+  def propose(self, params, state, context, gamma, sampling, keys):
+    x = jnp.full((256, 256), 1e-3, jnp.float32) + context.length[0].astype(jnp.float32)
+    x = jax.lax.fori_loop(0, self.work, lambda _, y: jnp.tanh(y @ y), x)
+    tokens, probs, state = self.inner.propose(params, state, context, gamma, sampling, keys)
+    return tokens, probs + 0.0 * x[0, 0], state
+
+
+def _tiny_setup():
+  target = init_params(TARGET, jax.random.PRNGKey(0))
+  draft = init_params(DRAFT, jax.random.PRNGKey(1))
+  tokens = np.random.default_rng(0).integers(2, TARGET.vocab_size, (8, 2, 6)).astype(np.int32)
+  tokens[:, :, -1] = 1
+  return target, draft, [jnp.asarray(t) for t in tokens]
+
+
+def _decoder(target, draft, drafter, cache=None, key=None):
+  return AutoGammaDecoder(
+      lambda batch: generate(target, batch, config=TARGET, max_decode_length=MAX_LEN,
+                             sampling=GREEDY),
+      lambda batch, spec: speculative_generate(
+          target, draft, batch, target_config=TARGET, drafter=drafter, spec=spec,
+          max_decode_length=MAX_LEN, sampling=GREEDY),
+      SpeculativeConfig(gamma='auto', verify_lengths=(3,)), batch_size=2, gammas=(1, 3),
+      cache=cache, key=key)
+
+
+def test_a_draft_that_cannot_pay_falls_back_to_the_baseline(tmp_path):
+  target, draft, batches = _tiny_setup()
+  decoder = _decoder(target, draft, _SlowDrafter(T5Drafter(DRAFT)),
+                     GammaCostCache(tmp_path), {'test': 'slow'})
+  decoder.calibrate(batches[:3])
+  assert all(s < 0.5 for s in decoder.costs.measured_speedup.values()), decoder.costs
+  assert decoder.choose() == 0
+  for batch in batches[3:]:
+    output = decoder(batch)
+    baseline = generate(target, batch, config=TARGET, max_decode_length=MAX_LEN,
+                        sampling=GREEDY)
+    np.testing.assert_array_equal(output.output.tokens, baseline.tokens)
+    assert output.stats.accepted_per_position.shape == (0,)  # gamma 0: no drafts
+  assert decoder.gamma_counts == {0: len(batches) - 3}
+  # The calibration is on disk: a new decoder of the same key starts from it.
+  again = _decoder(target, draft, _SlowDrafter(T5Drafter(DRAFT)), GammaCostCache(tmp_path),
+                   {'test': 'slow'})
+  assert again.load_calibration() and again.costs == decoder.costs and again.choose() == 0
+
+
+@pytest.mark.parametrize('gamma', [0, 1, 3])
+def test_outputs_never_depend_on_the_chosen_gamma(gamma):
+  target, draft, batches = _tiny_setup()
+  decoder = _decoder(target, draft, T5Drafter(DRAFT))
+  # A cost table under which `gamma` is the one choice.
+  iteration = {g: (0.001 if g == gamma else 1.0) for g in (1, 3)}
+  decoder.costs = BatchCosts(2, 0.01 if gamma else 0.0001, iteration)
+  decoder.lengths = [MAX_LEN]
+  for batch in batches:
+    output = decoder(batch)
+    baseline = generate(target, batch, config=TARGET, max_decode_length=MAX_LEN,
+                        sampling=GREEDY)
+    np.testing.assert_array_equal(output.output.tokens, baseline.tokens)
+    assert output.stats.accepted_per_position.shape == (gamma,)
+  assert decoder.gamma_counts == {gamma: len(batches)}
+
+
+# ----------------------------------------------------------------------------------
+# The launcher.
+
+
+def test_launcher_with_auto_gamma_records_its_choices(tmp_path, tiny_pair_checkpoints):
+  import shutil  # pylint: disable=g-import-not-at-top
+  for name in ('target', 'draft'):
+    shutil.copytree(tiny_pair_checkpoints / name, tmp_path / name)
+  from test_scripts import _infer_config  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  path = tmp_path / 'config.gin'
+  path.write_text(_infer_config(tmp_path))
+  gin_flags.parse([f'--gin_file={path}', "--gin.GAMMA='auto'", '--gin.infer.auto_gammas=(1, 2)',
+                   f"--gin.infer.calibration_dir='{tmp_path / 'calibration'}'",
+                   '--gin.infer.num_examples=6'])
+  summary = infer_script.infer()
+  assert summary['gamma'] == 'auto' and summary['identical_outputs'] == 6
+  records = [json.loads(line) for line in open(tmp_path / 'out' / 'speculative.jsonl')]
+  chosen = {r['gamma'] for r in records}
+  assert chosen <= {0, 1, 2}
+  assert summary['gamma_choices'] == ' '.join(
+      f'{g}:{sum(1 for r in records[::2] if r["gamma"] == g)}' for g in sorted(chosen))
+  assert list((tmp_path / 'calibration').glob('*.json'))
+  gin.clear_config()
+  gin_flags.parse([f'--gin_file={path}', "--gin.GAMMA='auto'", '--gin.infer.auto_gammas=(0,)'])
+  with pytest.raises(ValueError, match='infer.auto_gammas'):
+    infer_script.infer()
