@@ -136,7 +136,7 @@ def test_speculative_generate_refuses_auto_with_the_way_to_use_it():
     speculative_generate(params, params, [[4, 5, 1]], target_config=config,
                          drafter=T5Drafter(config), spec=SpeculativeConfig(gamma='auto'),
                          max_decode_length=4)
-  with pytest.raises(ValueError, match="integer >= 1 or 'auto'"):
+  with pytest.raises(ValueError, match="must be an integer, got 'fast' \\(or 'auto'"):
     SpeculativeConfig(gamma='fast')
 
 

@@ -773,6 +773,7 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
           max_decode_length=max_decode_length),
   }
   open_writer = inference.ResumableJsonl
+  decode_auto = decode_speculative  # (batch, spec) -> output, for gamma='auto'
   if partitioner:  # Outputs gathered to every host; only process 0 writes them.
     def on_mesh(fn):
       def decode(*args):
@@ -780,7 +781,7 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
           return partitioner.to_host(fn(*args))
       return decode
     decode_fns = {name: on_mesh(fn) for name, fn in decode_fns.items()}
-    decode_speculative = on_mesh(decode_speculative)
+    decode_auto = on_mesh(decode_speculative)
     open_writer = lambda path: partitioning_lib.process_zero_writer(  # noqa: E731
         inference.ResumableJsonl, path)
   batches = [list(range(i, min(i + batch_size, len(examples))))
@@ -791,7 +792,7 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   auto = None
   if speculative.gamma == AUTO and 'speculative' in decoders:
     auto = auto_gamma_decoder(
-        decode_fns['baseline'], decode_speculative,
+        decode_fns['baseline'], decode_auto,
         speculative, batch_size=batch_size, gammas=auto_gammas,
         key=calibration_key(target_model, drafter, sampling, speculative,
                             input_length=inputs.shape[1], max_decode_length=max_decode_length,
