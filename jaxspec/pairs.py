@@ -20,13 +20,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import inference, paths, validation
 from jaxspec.config import EOS_ID, T5Config, get_config
 from jaxspec.data import corpora
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
+from jaxspec.decoding import auto_gamma
+from jaxspec.decoding.speculative import AUTO, SpeculativeConfig, speculative_generate
 from jaxspec.decoding.drafters.t5 import T5Drafter
 from jaxspec.sampling import SamplingConfig
 
@@ -81,6 +83,8 @@ class Pair:
   input_length: int
   max_decode_length: int
   gamma: int
+  # gamma='auto' decoders by (batch size, sampling, max_decode_length): calibrated once.
+  _auto: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
   @property
   def drafter(self) -> T5Drafter:
@@ -99,7 +103,7 @@ class Pair:
     return tokens
 
   def generate_text(self, texts: str | Sequence[str], *, decoder: str = 'speculative',
-                    gamma: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                    gamma: int | str | None = None, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, seed: int = 0, max_decode_length: int | None = None,
                     batch_size: int = 8, overlong: str = 'truncate') -> list[Prediction]:
     """Decodes each text with `decoder` ('speculative' or 'baseline'), in batches.
@@ -107,6 +111,12 @@ class Pair:
     Input i samples with fold_in(PRNGKey(seed), i), as scripts/infer.py does, so its
     output depends on neither the batch nor the other inputs. Greedy (temperature 0)
     speculative output is token for token the baseline's.
+
+    gamma: drafts per target call (None: the pair's); 'auto' chooses it per batch, 0 (the
+    baseline) included, from costs measured on this machine for this batch size
+    (jaxspec.decoding.auto_gamma): the first call calibrates on the first batches, which
+    compiles each candidate gamma once, and keeps the costs in the calibration cache
+    ($JAXSPEC_CALIBRATION_DIR) for later processes.
     """
     if decoder not in DECODERS:
       raise ValueError(f'decoder must be one of {DECODERS}, got {decoder!r}')
@@ -121,17 +131,48 @@ class Pair:
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
         jax.random.PRNGKey(seed), np.arange(len(texts)))
     size = min(batch_size, 1 << (len(texts) - 1).bit_length())  # One shape per bucket.
-    predictions = []
+    batches = []
     for start in range(0, len(texts), size):
       rows = list(range(start, min(start + size, len(texts))))
       padded = rows + [rows[-1]] * (size - len(rows))
-      output, row_calls = self._decode(tokens[padded], keys[np.asarray(padded)], decoder,
-                                       gamma, sampling, max_decode_length)
+      batches.append((rows, (jnp.asarray(tokens[padded]), keys[np.asarray(padded)])))
+    auto = None
+    if decoder == 'speculative' and gamma == AUTO:
+      auto = self._auto_decoder(size, sampling, max_decode_length)
+      if auto.costs is None and not auto.load_calibration():
+        auto.calibrate([batch for _, batch in batches[:max(2, -(-8 // size))]])
+    predictions = []
+    for rows, batch in batches:
+      if auto is not None:
+        result = auto(batch)
+        output, row_calls = result.output, np.asarray(result.stats.row_target_calls)
+      else:
+        output, row_calls = self._decode(*batch, decoder, gamma, sampling, max_decode_length)
       for row, index in enumerate(rows):
         ids = inference.trim_at_eos(np.asarray(output.tokens[row]), EOS_ID)
         calls = len(ids) if row_calls is None else int(row_calls[row])
         predictions.append(Prediction(texts[index], self.vocabulary.decode(ids), ids, calls))
     return predictions
+
+  def _auto_decoder(self, size, sampling, max_decode_length) -> auto_gamma.AutoGammaDecoder:
+    """The gamma='auto' decoder of batches of `size` (made once per pair and setting)."""
+    setting = (size, sampling, max_decode_length)
+    if setting not in self._auto:
+      self._auto[setting] = auto_gamma.AutoGammaDecoder(
+          lambda batch: generate(self.target_params, *batch, config=self.target_config,
+                                 max_decode_length=max_decode_length, sampling=sampling),
+          lambda batch, spec: speculative_generate(
+              self.target_params, self.draft_params, *batch,
+              target_config=self.target_config, drafter=self.drafter, spec=spec,
+              max_decode_length=max_decode_length, sampling=sampling),
+          SpeculativeConfig(gamma=AUTO), batch_size=size,
+          gammas=[g for g in auto_gamma.DEFAULT_GAMMAS if g < max_decode_length] or [1],
+          key={'machine': auto_gamma.machine_description(), 'pair': self.name,
+               'target': repr(self.target_config), 'draft': repr(self.draft_config),
+               'sampling': repr(sampling), 'max_decode_length': max_decode_length,
+               'input_length': self.input_length},
+          cache=auto_gamma.GammaCostCache())
+    return self._auto[setting]
 
   def _decode(self, tokens, keys, decoder, gamma, sampling, max_decode_length):
     if decoder == 'baseline':

@@ -106,6 +106,33 @@ def test_a_switch_needs_a_clear_gain():
   assert choose_gamma(costs, 1.0, [24], current=2) == 3
 
 
+def test_what_the_run_realized_overrides_the_prediction():
+  costs = BatchCosts(batch_size=4, step_seconds=0.01, iteration_seconds={3: 0.015, 9: 0.04})
+  assert choose_gamma(costs, 0.99, [20]) == 3
+  assert choose_gamma(costs, 0.99, [20], realized={3: 0.9}) == 9
+  assert choose_gamma(costs, 0.99, [20], realized={3: 0.9, 9: 1.02}) == 0
+  assert choose_gamma(costs, 0.99, [20], current=9, realized={3: 0.9, 9: 0.97}) == 0
+
+
+def test_the_decoder_drops_a_gamma_that_does_worse_in_the_run():
+  decoder = AutoGammaDecoder(None, None, SpeculativeConfig(gamma='auto'), batch_size=4,
+                             gammas=(3,), refresh_batches=1)
+  decoder.costs = BatchCosts(4, 0.01, {3: 0.015})
+  decoder.lengths = [20]
+  decoder.overlap_sum, decoder.verified_positions = 99.0, 100  # alpha 0.99
+  assert decoder.choose() == 3
+  # Four batches of 20-token outputs that took 0.25 s each, where the baseline's
+  # 20 steps would take 0.2 s: 0.8x realized.
+  for _ in range(AutoGammaDecoder.REALIZED_BATCHES):
+    decoder._realized.setdefault(3, [0.0, 0.0, 0])  # pylint: disable=protected-access
+    entry = decoder._realized[3]  # pylint: disable=protected-access
+    entry[0] += 0.2
+    entry[1] += 0.25
+    entry[2] += 1
+  assert decoder.realized_speedups() == {3: pytest.approx(0.8)}
+  assert decoder.choose() == 0
+
+
 def test_measured_speedups_scale_the_model_at_their_own_alpha():
   costs = BatchCosts(batch_size=2, step_seconds=0.01, iteration_seconds={3: 0.02},
                      measured_speedup={3: 1.2}, alpha=0.9, lengths=(10, 14, 20))

@@ -20,6 +20,7 @@ from jaxspec.data import corpora  # noqa: E402
 from jaxspec.decoding.baseline import generate  # noqa: E402
 from jaxspec.model import init_params  # noqa: E402
 from jaxspec.model.cpu import layout as kernel_layout
+from jaxspec.sampling import SamplingConfig
 
 
 @pytest.mark.parametrize('model', ['target', 'draft_small', 'draft_base', 'target_45m',
@@ -99,3 +100,15 @@ def test_sampled_text_depends_on_the_input_index_not_the_batch(tiny_pair):
 def test_bad_text_is_refused_by_name(tiny_pair, texts, message):
   with pytest.raises(ValueError, match=message):
     tiny_pair.generate_text(texts)
+
+
+def test_auto_gamma_text_is_the_baselines_and_its_calibration_is_kept(
+    tiny_pair, tmp_path, monkeypatch):
+  monkeypatch.setenv('JAXSPEC_CALIBRATION_DIR', str(tmp_path))
+  texts = TEXTS + ['Close the window.']
+  auto = tiny_pair.generate_text(texts, gamma='auto', batch_size=2)
+  baseline = tiny_pair.generate_text(texts, decoder='baseline', batch_size=2)
+  assert [p.tokens for p in auto] == [p.tokens for p in baseline]
+  decoder = tiny_pair._auto[(2, SamplingConfig(), 8)]  # pylint: disable=protected-access
+  assert sum(decoder.gamma_counts.values()) == 2  # both batches, whichever gamma
+  assert len(list(tmp_path.glob('*.json'))) == 1

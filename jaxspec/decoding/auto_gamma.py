@@ -18,6 +18,11 @@ machine, for the pair and the batch size (`BatchCosts`, by `AutoGammaDecoder.cal
 from whole decodes, so the loop's own bookkeeping is in them), and alpha is the running
 estimate (Corollary 3.6) over every speculative batch decoded so far.
 
+As the run goes on it measures itself: the seconds of each batch against what the
+baseline would have taken (its step cost times the batch's longest output) give the
+speedup each gamma realizes, which replaces the prediction once a gamma has decoded a
+few batches, so a gamma that does worse in the run than in the calibration is dropped.
+
 `choose_gamma` is pure (a cost table and alpha in, gamma out); `AutoGammaDecoder` decodes
 batches with it, measuring as it goes; `GammaCostCache` keeps calibrations in JSON files
 keyed by machine, pair, dtype, platform and batch size, so a later run starts from them.
@@ -141,16 +146,19 @@ def predicted_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
 
 
 def choose_gamma(costs: BatchCosts, alpha: float, lengths: Sequence[int],
-                 min_speedup: float = MIN_SPEEDUP, current: int | None = None) -> int:
+                 min_speedup: float = MIN_SPEEDUP, current: int | None = None,
+                 realized: Mapping[int, float] | None = None) -> int:
   """The gamma of the largest predicted speedup; 0 (the baseline) unless some gamma is
-  predicted at least min_speedup. With `current` (the gamma in use), a switch needs
-  the new gamma predicted min_speedup times faster than it: each program compiles on
-  first use, and flipping between near-equal choices would only pay compiles."""
-  speedups = predicted_speedups(costs, alpha, lengths)
+  predicted at least min_speedup. `realized` ({gamma: speedup}) overrides the
+  prediction of the gammas the run itself has measured. With `current` (the gamma in
+  use), a switch needs the new gamma predicted min_speedup times faster than it: each
+  program compiles on first use, and flipping between near-equal choices would only pay
+  compiles."""
+  speedups = {**predicted_speedups(costs, alpha, lengths), **(realized or {})}
   best = max(speedups, key=lambda g: (speedups[g], -g))
   if not best or speedups[best] < min_speedup:
-    best = 0
-  if current is not None and current in speedups and best != current:
+    return 0  # no gamma pays clearly: the baseline, whatever ran before
+  if current and current in speedups and best != current:
     if speedups[best] < min_speedup * speedups[current]:
       return current
   return best
@@ -263,6 +271,10 @@ class AutoGammaDecoder:
     self._since_decision = 0
     self._next: int | None = None  # decided by ready() for the next call
     self._compiled: set = set()  # (gamma, batch shapes) that have run
+    # gamma -> [the baseline's seconds for its batches (step_seconds x their longest
+    # output), their seconds with gamma, batches]: the speedup this run realized.
+    self._realized: dict[int, list] = {}
+    self._baseline_seconds, self._baseline_steps = 0.0, 0
     self._alpha_prior: float | None = None
 
   def spec_for(self, gamma: int) -> SpeculativeConfig:
@@ -274,6 +286,32 @@ class AutoGammaDecoder:
     if self.verified_positions:
       return self.overlap_sum / self.verified_positions
     return 0.0 if self._alpha_prior is None else self._alpha_prior
+
+  REALIZED_BATCHES = 4  # batches of a gamma before its realized speedup replaces the model's
+
+  def realized_speedups(self) -> dict[int, float]:
+    """{gamma: the baseline's predicted seconds over the seconds gamma took} for the gammas
+    this run decoded REALIZED_BATCHES batches with (0: 1 by definition)."""
+    return {g: baseline / max(seconds, 1e-12)
+            for g, (baseline, seconds, batches) in self._realized.items()
+            if g and batches >= self.REALIZED_BATCHES}
+
+  def step_seconds(self) -> float:
+    """The baseline's seconds per step: this run's own once it decoded 64 steps with it."""
+    if self._baseline_steps >= 64:
+      return self._baseline_seconds / self._baseline_steps
+    return self.costs.step_seconds
+
+  def _realize(self, gamma: int, seconds: float, output: SpeculativeOutput):
+    steps = int(np.max(jax.device_get(output.output.lengths)))
+    if gamma == 0:
+      self._baseline_seconds += seconds
+      self._baseline_steps += steps
+      return
+    entry = self._realized.setdefault(gamma, [0.0, 0.0, 0])
+    entry[0] += self.step_seconds() * steps
+    entry[1] += seconds
+    entry[2] += 1
 
   def _observe(self, output: SpeculativeOutput, lengths: bool = True):
     stats = jax.device_get(output.stats)
@@ -345,7 +383,7 @@ class AutoGammaDecoder:
       return 0
     if self.current is None or self._since_decision >= self.refresh_batches:
       self.current = choose_gamma(self.costs, self.alpha, self.lengths, self.min_speedup,
-                                  self.current)
+                                  self.current, self.realized_speedups())
       self._since_decision = 0
     self._since_decision += 1
     return self.current
@@ -367,9 +405,11 @@ class AutoGammaDecoder:
     self._compiled.add((gamma, tuple(jax.tree_util.tree_map(np.shape, batch))))
     self.gamma_counts[gamma] = self.gamma_counts.get(gamma, 0) + 1
     if gamma == 0:
-      output = as_speculative_output(self.decode_baseline(batch))
+      output, seconds = _timed(lambda b: as_speculative_output(self.decode_baseline(b)), batch)
       self.lengths.extend(int(n) for n in jax.device_get(output.output.lengths))
-      return output
-    output = self.decode_speculative(batch, self.spec_for(gamma))
-    self._observe(output)
+    else:
+      output, seconds = _timed(lambda b: self.decode_speculative(b, self.spec_for(gamma)),
+                               batch)
+      self._observe(output)
+    self._realize(gamma, seconds, output)
     return output

@@ -190,8 +190,8 @@ def _pending(batches, writer):
 
 
 def calibration_batch_count(batch_size: int) -> int:
-  """Batches gamma='auto' calibrates on: at least 2, and 8 examples."""
-  return max(2, -(-8 // batch_size))
+  """Batches gamma='auto' calibrates on: at least 3, and 24 examples."""
+  return max(3, -(-24 // batch_size))
 
 
 def calibration_key(target_model, drafter, sampling, speculative, **more) -> dict:
