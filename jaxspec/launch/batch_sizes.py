@@ -63,8 +63,8 @@ def provenance(argv) -> dict:
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
   except OSError:
     commit = ''
-  return {'commit': commit or None, 'date': time.strftime('%Y-%m-%d %H:%M %Z'),
-          'machine': machine(), 'load_average': list(os.getloadavg()),
+  return {'commit': commit[:7] or None, 'date': time.strftime('%Y-%m-%d'),
+          'machine': machine(), 'load_average': f'{os.getloadavg()[0]:.2f}',
           'command': ' '.join(['jaxspec-batch-sizes', *argv])}
 
 
@@ -84,8 +84,8 @@ def write(output_dir: str, name: str, record: dict, plot: bool = False):
   os.makedirs(output_dir, exist_ok=True)
   path = os.path.join(output_dir, name)
   inference.write_text_atomic(path + '.json', json.dumps(record, indent=1))
-  rows = [{k: (f'{v:.2f}' if isinstance(v, float) else v) for k, v in r.items()}
-          for r in record['rows']]
+  rows = [{k: (f'{v:.2f}' if isinstance(v, float) else '-' if v is None else v)
+           for k, v in r.items()} for r in record['rows']]
   machine_line = ', '.join(f'{k} {v}' for k, v in record['provenance']['machine'].items())
   inference.write_text_atomic(path + '.md', (
       f"Main job at each batch size ({record['gin_file']}), {machine_line}; "
@@ -128,8 +128,11 @@ def run(*, gin_file: str, batch_sizes, temperatures, num_examples: int, output_d
                        f'--gin.infer.num_examples={num_examples}',
                        f"--gin.infer.output_dir='{run_dir}'"])
       summary = infer_script.infer()
+      # Each run compiles its own programs; a process holding every run's would run out
+      # of memory mappings (XLA:CPU maps each compiled program).
+      jax.clear_caches()
       record['rows'].append(row(summary, batch_size, float(temperature)))
-      record['provenance']['load_average'] = list(os.getloadavg())
+      record['provenance']['load_average'] = f'{os.getloadavg()[0]:.2f}'  # 1 minute
       write(output_dir, name, record)
       print(f'batch {batch_size}, T={temperature:g}: speedup {summary["speedup"]:.2f} '
             f'({summary.get("gamma_choices", "")})', file=sys.stderr, flush=True)

@@ -361,7 +361,8 @@ def summarize(task, metric, draft_name, sampling, spec, writers, indices, beam=N
     records = [writers['speculative'].records[i] for i in common]
     batches = {r['batch_start']: r for r in records}
     verified = sum(b['batch_verified_positions'] for b in batches.values())
-    summary['alpha'] = sum(b['batch_overlap_sum'] for b in batches.values()) / max(verified, 1)
+    summary['alpha'] = (sum(b['batch_overlap_sum'] for b in batches.values()) / verified
+                        if verified else None)  # None: no drafts verified (gamma 0)
     summary['tokens_per_target_call'] = (sum(len(r['tokens']) for r in records)
                                          / max(sum(r['target_calls'] for r in records), 1))
     if spec.gamma == AUTO:  # how many batches ran each gamma (0: the baseline)

@@ -193,7 +193,29 @@ def _megabytes(value):
 _TARGET = Column('target', _get('_target'))
 _T = Column('T', _get('temperature'), 'g')
 
+def _batch_size_rows(record):
+  rows = record.get('rows')
+  if not isinstance(rows, list) or not rows or not all(
+      isinstance(r, dict) and 'batch_size' in r and 'speculative_tokens_per_second' in r
+      for r in rows):
+    return []
+  return rows
+
+
 KINDS: tuple[Kind, ...] = (
+    Kind('batch_sizes', 'The main job at each batch size (jaxspec-batch-sizes)',
+         'Baseline and speculative decoding (`gamma=\'auto\'`: chosen per batch from measured '
+         'costs, 0 = the baseline itself) interleaved batch by batch in one process; tokens '
+         'per second over the same outputs; the gammas chosen, as gamma:batches.',
+         _batch_size_rows,
+         (Column('batch', _get('batch_size')), Column('temperature', _get('temperature')),
+          Column('examples', _get('examples')),
+          Column('baseline tokens/s', _get('baseline_tokens_per_second'), 'f1'),
+          Column('speculative tokens/s', _get('speculative_tokens_per_second'), 'f1'),
+          Column('speedup', _get('speedup'), 'x'),
+          Column('gamma chosen', _get('gamma_choices')),
+          Column('alpha', _get('alpha'), 'f3'),
+          Column('identical outputs', _get('identical_outputs')))),
     Kind('runs', 'Launcher runs: baseline and speculative decoding over a split',
          'A `jaxspec-infer` summary: both decoders over the same examples, walltime speedup '
          '(sum of the baseline\'s calls over the sum of speculative decoding\'s), quality '
@@ -370,8 +392,15 @@ def provenance(record: dict) -> dict:
   cpu = machine.get('cpu') or record.get('cpu')
   cores = machine.get('cpu_count') or machine.get('cores')
   fallback_machine = f'{cpu}, {cores} cores' if cpu and cores else (cpu or record.get('device'))
+  described = given.get('machine')
+  if isinstance(described, dict):  # a launcher's machine description
+    caches = described.get('caches') or {}
+    described = ', '.join(str(part) for part in (
+        described.get('cpu') or described.get('device'),
+        described.get('cores') and f"{described['cores']} cores",
+        caches.get('L3') and f"L3 {caches['L3']}") if part)
   return {
-      'machine': given.get('machine') or fallback_machine or '',
+      'machine': described or fallback_machine or '',
       'date': given.get('date') or machine.get('date') or record.get('date') or '',
       'commit': given.get('commit') or '',
       'load average': given.get('load_average') or '',
