@@ -19,6 +19,8 @@ from jaxspec.decoding.auto_gamma import (AutoGammaDecoder, BatchCosts, GammaCost
                                          choose_gamma, expected_batch_iterations,
                                          predicted_speedups, row_iterations)
 from jaxspec.decoding.baseline import generate
+from jaxspec.decoding.beam_search import BeamConfig
+from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
 from jaxspec.decoding.drafters import Drafter, T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.launch import gin_flags
@@ -133,6 +135,17 @@ def test_the_decoder_drops_a_gamma_that_does_worse_in_the_run():
   assert decoder.choose() == 0
 
 
+def test_beam_choice_is_plain_beam_search_unless_a_gamma_measures_clearly_faster():
+  assert auto_gamma.choose_measured({1: 0.45, 2: 0.52, 3: 0.4}) == 0
+  assert auto_gamma.choose_measured({1: 1.04, 2: 0.9}) == 0
+  assert auto_gamma.choose_measured({1: 1.2, 2: 1.3, 3: 1.1}) == 2
+  decoder = auto_gamma.AutoBeamDecoder(None, None, None)
+  decoder.step_seconds, decoder.measured = 0.01, {1: 1.2, 2: 0.8, 3: 0.7}
+  assert decoder.choose() == 1
+  decoder._realized[1] = [0.4, 0.5, AutoGammaDecoder.REALIZED_BATCHES]  # pylint: disable=protected-access
+  assert decoder.speedups()[1] == pytest.approx(0.8) and decoder.choose() == 0
+
+
 def test_measured_speedups_scale_the_model_at_their_own_alpha():
   costs = BatchCosts(batch_size=2, step_seconds=0.01, iteration_seconds={3: 0.02},
                      measured_speedup={3: 1.2}, alpha=0.9, lengths=(10, 14, 20))
@@ -165,6 +178,10 @@ def test_speculative_generate_refuses_auto_with_the_way_to_use_it():
                          max_decode_length=4)
   with pytest.raises(ValueError, match="must be an integer, got 'fast' \\(or 'auto'"):
     SpeculativeConfig(gamma='fast')
+  with pytest.raises(ValueError, match='AutoBeamDecoder'):
+    speculative_beam_generate(params, params, [[4, 5, 1]], target_config=config,
+                              draft_config=config, beam=BeamConfig(num_beams=2),
+                              spec=SpeculativeBeamConfig(gamma='auto'), max_decode_length=4)
 
 
 # ----------------------------------------------------------------------------------

@@ -118,6 +118,27 @@ def test_beam_and_speculative_beam_write_generate_beams_beams(tiny_checkpoints):
   assert '| identical_beam_tokens |' in (tmp_path / 'out' / 'summary.md').read_text()
 
 
+def test_auto_beam_gamma_writes_plain_beam_searchs_beams(tiny_checkpoints):
+  """BEAM_GAMMA='auto': plain beam search's beams whichever gamma (0 included) each batch
+  ran, the choice recorded per batch and counted in the summary."""
+  tmp_path, target = tiny_checkpoints
+  _parse(tmp_path, ["BEAM_GAMMA='auto'"])
+  summary = infer_script.infer()
+  speculative = _records(tmp_path / 'out' / 'speculative_beam.jsonl')
+  expected_beams, expected_scores = _direct_beams(tmp_path, target, num_beams=2)
+  assert [r['beam_tokens'] for r in speculative] == expected_beams
+  np.testing.assert_allclose([r['beam_scores'] for r in speculative], expected_scores,
+                             rtol=1e-5, atol=1e-5)
+  for record in speculative:
+    assert record['gamma'] in (0, 1, 2, 3)
+    assert len(record['batch_calls_by_steps_advanced']) == record['gamma'] + 2
+  chosen = [r['gamma'] for r in {r['batch_start']: r for r in speculative}.values()]
+  assert summary['beam_gamma'] == 'auto'
+  assert summary['beam_gamma_choices'] == ' '.join(
+      f'{g}:{chosen.count(g)}' for g in sorted(set(chosen)))
+  assert summary['identical_beam_tokens'] == NUM_EXAMPLES
+
+
 def test_a_changed_beam_setting_changes_the_fingerprint_and_is_refused(tiny_checkpoints):
   tmp_path, _ = tiny_checkpoints
   infer_script.infer()

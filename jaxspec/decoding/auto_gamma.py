@@ -43,7 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.decoding.beam_search import BeamOutput
 from jaxspec.decoding.common import DecodeOutput
+from jaxspec.decoding.speculative_beam import (SpeculativeBeamConfig, SpeculativeBeamOutput,
+                                               SpeculativeBeamStats)
 from jaxspec.decoding.speculative import AUTO  # noqa: F401  (re-exported)
 from jaxspec.decoding.speculative import SpeculativeConfig, SpeculativeOutput, SpeculativeStats
 
@@ -413,3 +416,118 @@ class AutoGammaDecoder:
       self._observe(output)
     self._realize(gamma, seconds, output)
     return output
+
+
+# ----------------------------------------------------------------------------------
+# Speculative beam search: plain beam search where it cannot pay.
+
+BEAM_GAMMAS = (1, 2, 3)  # speculative beam search's candidates (0: plain beam search)
+
+
+def as_speculative_beam_output(output: BeamOutput) -> SpeculativeBeamOutput:
+  """Plain beam search as a gamma-0 SpeculativeBeamOutput: one target call a search step,
+  each advancing one step, no draft calls."""
+  steps = jnp.asarray(output.steps, jnp.int32)
+  return SpeculativeBeamOutput(output=output, stats=SpeculativeBeamStats(
+      target_calls=steps, draft_calls=jnp.zeros((), jnp.int32),
+      steps_per_call=jnp.zeros((2,), jnp.int32).at[1].set(steps)))
+
+
+def choose_measured(speedups: Mapping[int, float], min_speedup: float = MIN_SPEEDUP) -> int:
+  """The gamma of the largest measured speedup if it is at least min_speedup, else 0."""
+  best = max(speedups, key=lambda g: (speedups[g], -g), default=0)
+  return best if best and speedups[best] >= min_speedup else 0
+
+
+class AutoBeamDecoder:
+  """Speculative beam search with gamma chosen by measurement, 0 (plain beam search)
+  included: its output is plain beam search's for any gamma, so only walltime depends
+  on the choice.
+
+  decode_beam(batch) -> BeamOutput and decode_speculative_beam(batch, spec) ->
+  SpeculativeBeamOutput. `calibrate` times plain beam search and each gamma on the same
+  batches; each gamma's speedup is then plain beam search's seconds a search step times
+  the search steps over its seconds, measured there and, once a gamma has decoded
+  REALIZED_BATCHES batches in the run, in the run itself.
+  """
+
+  REALIZED_BATCHES = AutoGammaDecoder.REALIZED_BATCHES
+
+  def __init__(self, decode_beam: Callable, decode_speculative_beam: Callable,
+               spec: SpeculativeBeamConfig, *, gammas: Sequence[int] = BEAM_GAMMAS,
+               min_speedup: float = MIN_SPEEDUP):
+    self.decode_beam, self.decode_speculative_beam = decode_beam, decode_speculative_beam
+    self.spec, self.gammas, self.min_speedup = spec, tuple(sorted(set(gammas))), min_speedup
+    if not self.gammas or self.gammas[0] < 1:
+      raise ValueError(f'auto gammas must be integers >= 1, got {gammas!r}')
+    self.step_seconds: float | None = None  # plain beam search's seconds a search step
+    self.measured: dict[int, float] = {}
+    self._realized: dict[int, list] = {}  # gamma -> [plain seconds, seconds, batches]
+    self.gamma_counts: dict[int, int] = {}
+    self._compiled: set = set()
+    self._next: int | None = None
+
+  def spec_for(self, gamma: int) -> SpeculativeBeamConfig:
+    return dataclasses.replace(self.spec, gamma=gamma)
+
+  def _decoder(self, gamma: int) -> Callable:
+    if gamma == 0:
+      return lambda batch: as_speculative_beam_output(self.decode_beam(batch))
+    return lambda batch: self.decode_speculative_beam(batch, self.spec_for(gamma))
+
+  def _compile(self, gamma: int, batch):
+    shapes = (gamma, tuple(jax.tree_util.tree_map(np.shape, batch)))
+    if shapes not in self._compiled:
+      jax.block_until_ready(self._decoder(gamma)(batch))
+      self._compiled.add(shapes)
+
+  def calibrate(self, batches: Sequence[Any], repeats: int = 2):
+    """Times plain beam search and each gamma over `batches` (compiled first),
+    interleaved; the fastest of `repeats` rounds."""
+    candidates = (0,) + self.gammas
+    for gamma in candidates:
+      for batch in batches:
+        self._compile(gamma, batch)
+    totals = {g: np.inf for g in candidates}
+    steps = 0
+    for repeat in range(repeats):
+      seconds = {g: 0.0 for g in candidates}
+      for batch in batches:
+        for gamma in candidates:
+          output, elapsed = _timed(self._decoder(gamma), batch)
+          seconds[gamma] += elapsed
+          if gamma == 0 and repeat == 0:
+            steps += int(output.output.steps)
+      totals = {g: min(totals[g], seconds[g]) for g in candidates}
+    self.step_seconds = totals[0] / max(steps, 1)
+    self.measured = {g: totals[0] / max(totals[g], 1e-12) for g in self.gammas}
+
+  def speedups(self) -> dict[int, float]:
+    """Each gamma's speedup: the run's own where it decoded enough batches with it."""
+    realized = {g: plain / max(seconds, 1e-12)
+                for g, (plain, seconds, batches) in self._realized.items()
+                if batches >= self.REALIZED_BATCHES}
+    return {**self.measured, **realized}
+
+  def choose(self) -> int:
+    if self.step_seconds is None:
+      raise ValueError('AutoBeamDecoder has no measurements: calibrate() first')
+    return choose_measured(self.speedups(), self.min_speedup)
+
+  def ready(self, batch):
+    """Decides the gamma for `batch` and compiles it for the batch's shapes, so the timed
+    call that follows decodes only."""
+    self._next = self.choose()
+    self._compile(self._next, batch)
+
+  def __call__(self, batch) -> SpeculativeBeamOutput:
+    gamma, self._next = (self.choose() if self._next is None else self._next), None
+    self.gamma_counts[gamma] = self.gamma_counts.get(gamma, 0) + 1
+    output, seconds = _timed(self._decoder(gamma), batch)
+    if gamma:
+      entry = self._realized.setdefault(gamma, [0.0, 0.0, 0])
+      entry[0] += self.step_seconds * int(output.stats.steps)
+      entry[1] += seconds
+      entry[2] += 1
+    return output
+

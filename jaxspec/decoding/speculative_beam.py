@@ -45,11 +45,16 @@ from jaxspec.model.sharding import DRAFT, TARGET
 @dataclasses.dataclass(frozen=True)
 class SpeculativeBeamConfig:
   """Static settings of speculative beam search."""
-  gamma: int = 3  # Draft beam-search steps per target call.
+  # Draft beam-search steps per target call; 'auto': chosen by measurement, 0 (plain beam
+  # search) included (jaxspec.decoding.auto_gamma.AutoBeamDecoder, as the launcher does).
+  gamma: int | str = 3
   draft_beams: int = 0  # u, the draft's beam width (>= num_beams); 0: 2 * num_beams.
 
   def __post_init__(self):
-    if self.gamma < 1:
+    if self.gamma != 'auto' and (isinstance(self.gamma, bool) or not isinstance(self.gamma, int)):
+      raise ValueError(f'gamma (jaxspec.SpeculativeBeamConfig.gamma) must be an integer, got '
+                       f"{self.gamma!r} (or 'auto': chosen by measurement)")
+    if self.gamma != 'auto' and self.gamma < 1:
       raise ValueError(f'gamma must be >= 1, got {self.gamma}')
     if self.draft_beams < 0:
       raise ValueError(f'draft_beams must be >= 0 (0: twice the beams), got '
@@ -256,6 +261,10 @@ def speculative_beam_generate(target_params, draft_params, encoder_tokens, *,
     raise ValueError(
         f'draft and target vocabularies differ: the draft has vocab_size '
         f'{draft_config.vocab_size}, the target {target_config.vocab_size}')
+  if spec.gamma == 'auto':
+    raise ValueError("speculative_beam_generate takes an integer gamma; gamma='auto' is "
+                     'chosen by jaxspec.decoding.auto_gamma.AutoBeamDecoder (as the '
+                     'launcher does)')
   validation.check_encoder_tokens(encoder_tokens, target_config.vocab_size)
   bs.check_beam_settings(beam, max_decode_length)
   if spec.draft_width(beam.num_beams) < beam.num_beams:

@@ -176,6 +176,7 @@ def _speculative_beam_fields(output, row: int) -> dict:
   and how many calls advanced 0, 1, ..., gamma + 1 search steps."""
   stats = output.stats
   return {**_beam_fields(output.output, row), 'batch_target_calls': int(stats.target_calls),
+          'gamma': int(np.shape(stats.steps_per_call)[0]) - 2,
           'batch_draft_calls': int(stats.draft_calls),
           'batch_calls_by_steps_advanced': np.asarray(stats.steps_per_call).tolist()}
 
@@ -229,6 +230,22 @@ def auto_gamma_decoder(decode_baseline, decode_speculative, speculative, *, batc
   return auto
 
 
+def auto_beam_decoder(decode_beam, decode_speculative_beam, speculative_beam,
+                      calibration_batches):
+  """An AutoBeamDecoder for the run, measured on `calibration_batches` (the run's first
+  batches): plain beam search wherever no gamma is measured at least 1.05x faster."""
+  auto = auto_gamma.AutoBeamDecoder(decode_beam, decode_speculative_beam, speculative_beam)
+  if calibration_batches:
+    print(f'speculative beam gamma=auto: measuring gammas {auto.gammas} and plain beam '
+          f'search on {len(calibration_batches)} batches', file=sys.stderr)
+    auto.calibrate(calibration_batches)
+    print('speculative beam gamma=auto: measured speedups %s' % {
+        g: round(v, 2) for g, v in auto.measured.items()}, file=sys.stderr)
+  else:  # Nothing left to decode: no decision to make.
+    auto.step_seconds = 1.0
+  return auto
+
+
 def _compile_shapes(decode, prepare, pending, input_shape):
   """Decodes one batch of each input shape among `pending`, compiling outside the timings."""
   first_of_shape = {}
@@ -245,7 +262,7 @@ def _decode_batch(name, decode, batch, indices, examples, vocab, writer, fingerp
   the rows' keys, placed on the devices; ready before the clock starts). The timing
   covers the decoder's call, from those arrays to its outputs ready on the devices
   (gamma='auto' decides and compiles its choice for the batch before the clock starts)."""
-  if isinstance(decode, auto_gamma.AutoGammaDecoder):
+  if isinstance(decode, (auto_gamma.AutoGammaDecoder, auto_gamma.AutoBeamDecoder)):
     decode.ready(batch)
   output, seconds = inference.timed(decode, batch)
   output = jax.device_get(output)
@@ -374,6 +391,11 @@ def summarize(task, metric, draft_name, sampling, spec, writers, indices, beam=N
     summary['identical_outputs'] = sum(
         writers['baseline'].records[i]['tokens'] == writers['speculative'].records[i]['tokens']
         for i in common)
+  if 'speculative_beam' in writers and speculative_beam.gamma == AUTO:
+    chosen = [b.get('gamma') for b in {r['batch_start']: r for r in (
+        writers['speculative_beam'].records[i] for i in common)}.values()]
+    summary['beam_gamma_choices'] = ' '.join(
+        f'{g}:{chosen.count(g)}' for g in sorted(set(chosen), key=lambda g: (g is None, g)))
   if 'beam' in seconds and 'speculative_beam' in seconds:
     summary['beam_speedup'] = seconds['beam'] / max(seconds['speculative_beam'], 1e-9)
     summary.update(beam_comparison([writers['beam'].records[i] for i in common],
@@ -384,6 +406,13 @@ def summarize(task, metric, draft_name, sampling, spec, writers, indices, beam=N
 def summary_markdown(summary: dict) -> str:
   return inference.markdown_table(
       [summary], [k for k in summary if not isinstance(summary[k], (list, dict))])
+
+
+def _beam_gamma_bound(speculative_beam: SpeculativeBeamConfig) -> int:
+  """The largest gamma speculative beam search may run (with 'auto', its largest choice)."""
+  if speculative_beam.gamma == AUTO:
+    return max(auto_gamma.BEAM_GAMMAS)
+  return speculative_beam.gamma
 
 
 def check_beam_settings(*, target_model, drafter, decoders, max_decode_length, sampling,
@@ -409,9 +438,10 @@ def check_beam_settings(*, target_model, drafter, decoders, max_decode_length, s
   if not isinstance(speculative_beam, SpeculativeBeamConfig):
     raise TypeError('infer.speculative_beam must be a jaxspec.SpeculativeBeamConfig, got '
                     f'{type(speculative_beam).__name__}')
-  validation.check_integer('gamma (jaxspec.SpeculativeBeamConfig.gamma)',
-                           speculative_beam.gamma, 1)
-  validation.check_gamma(speculative_beam.gamma, max_decode_length)
+  if speculative_beam.gamma != AUTO:
+    validation.check_integer('gamma (jaxspec.SpeculativeBeamConfig.gamma)',
+                             speculative_beam.gamma, 1)
+  validation.check_gamma(_beam_gamma_bound(speculative_beam), max_decode_length)
   validation.check_integer('draft_beams (jaxspec.SpeculativeBeamConfig.draft_beams)',
                            speculative_beam.draft_beams, 0)
   if speculative_beam.draft_width(beam.num_beams) < beam.num_beams:
@@ -509,7 +539,7 @@ def _decode_memory(name, *, target_model, draft_config, batch_size, input_length
                                            **lengths),
             f'beam search with {beam.num_beams} beams over {described}')
   # The target scores the draft tree's w + gamma * u rows of gamma + 1 positions.
-  gamma = speculative_beam.gamma
+  gamma = _beam_gamma_bound(speculative_beam)
   rows = beam.num_beams + gamma * speculative_beam.draft_width(beam.num_beams)
   return (validation.decode_memory_bytes(target_model, batch=batch_size * rows, gamma=gamma,
                                          draft_config=draft_config, **lengths),
@@ -790,6 +820,15 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   writers = {name: open_writer(os.path.join(output_dir, f'{name}.jsonl'))
              for name in decoders}
   check_records(writers, examples, fingerprint)
+  if speculative_beam.gamma == AUTO and 'speculative_beam' in decoders:
+    decode_fns['speculative_beam'] = auto_beam_decoder(
+        decode_fns['beam'],
+        lambda batch, spec: speculative_beam_generate(
+            target_params, params, batch[0], target_config=target_model,
+            draft_config=getattr(drafter, 'config', None), beam=beam, spec=spec,
+            max_decode_length=max_decode_length),
+        speculative_beam, [pad_batch(indices) for indices in _pending(
+            batches, writers['speculative_beam'])[:calibration_batch_count(batch_size)]])
   auto = None
   if speculative.gamma == AUTO and 'speculative' in decoders:
     auto = auto_gamma_decoder(
