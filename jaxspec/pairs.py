@@ -167,10 +167,10 @@ class Pair:
               max_decode_length=max_decode_length, sampling=sampling),
           SpeculativeConfig(gamma=AUTO), batch_size=size,
           gammas=[g for g in auto_gamma.DEFAULT_GAMMAS if g < max_decode_length] or [1],
-          key={'machine': auto_gamma.machine_description(), 'pair': self.name,
-               'target': repr(self.target_config), 'draft': repr(self.draft_config),
-               'sampling': repr(sampling), 'max_decode_length': max_decode_length,
-               'input_length': self.input_length},
+          key=auto_gamma.calibration_key(
+              pair=self.name, target=repr(self.target_config), draft=repr(self.draft_config),
+              sampling=repr(sampling), max_decode_length=max_decode_length,
+              input_length=self.input_length),
           cache=auto_gamma.GammaCostCache())
     return self._auto[setting]
 

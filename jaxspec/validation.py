@@ -72,6 +72,20 @@ def check_max_decode_length(max_decode_length: int):
     raise ValueError(f'max_decode_length must be >= 1, got {max_decode_length}')
 
 
+AUTO_GAMMA = 'auto'  # a config's gamma chosen by measurement (jaxspec.decoding.auto_gamma)
+
+
+def check_gamma_setting(name: str, gamma):
+  """A config's gamma field: an integer >= 1, or 'auto'; name says which field."""
+  if gamma == AUTO_GAMMA:
+    return
+  if isinstance(gamma, bool) or not isinstance(gamma, int):
+    raise ValueError(f"gamma ({name}) must be an integer, got {gamma!r} (or "
+                     f"'{AUTO_GAMMA}': chosen by measurement)")
+  if gamma < 1:
+    raise ValueError(f'gamma must be >= 1, got {gamma}')
+
+
 def check_gamma(gamma: int, max_decode_length: int):
   """A proposal must fit the output: one target call commits up to gamma + 1 tokens."""
   if gamma >= max_decode_length:

@@ -35,14 +35,13 @@ import hashlib
 import json
 import os
 import pathlib
-import platform
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import machine
 from jaxspec.decoding.beam_search import BeamOutput
 from jaxspec.decoding.common import DecodeOutput
 from jaxspec.decoding.speculative_beam import (SpeculativeBeamConfig, SpeculativeBeamOutput,
@@ -169,38 +168,32 @@ def choose_gamma(costs: BatchCosts, alpha: float, lengths: Sequence[int],
 
 def as_speculative_output(output: DecodeOutput) -> SpeculativeOutput:
   """A baseline decode as a gamma-0 SpeculativeOutput: one target call a token (the
-  batch's steps: its longest row), no drafts."""
-  steps = jnp.max(output.lengths).astype(jnp.int32)
-  zero = jnp.zeros((), jnp.int32)
+  batch's steps: its longest row), no drafts. Built on the host (its reader is)."""
+  lengths = np.asarray(jax.device_get(output.lengths), np.int32)
+  steps = np.int32(lengths.max())
+  zero = np.zeros((), np.int32)
   stats = SpeculativeStats(
-      target_calls=steps, draft_calls=zero, row_target_calls=output.lengths.astype(jnp.int32),
-      accepted_per_position=jnp.zeros((0,), jnp.int32),
-      num_accepted_counts=jnp.zeros((1,), jnp.int32), overlap_sum=jnp.zeros((), jnp.float32),
-      verified_positions=zero, num_drafted_counts=jnp.zeros((1,), jnp.int32),
-      target_positions=steps * output.lengths.shape[0])
+      target_calls=steps, draft_calls=zero, row_target_calls=lengths,
+      accepted_per_position=np.zeros((0,), np.int32),
+      num_accepted_counts=np.zeros((1,), np.int32), overlap_sum=np.zeros((), np.float32),
+      verified_positions=zero, num_drafted_counts=np.zeros((1,), np.int32),
+      target_positions=np.int32(steps * lengths.shape[0]))
   return SpeculativeOutput(output=output, stats=stats)
 
 
-def machine_description() -> dict:
-  """What decode costs depend on beyond the model: the device, or the CPU's model and
-  cores; the platform; jax's version."""
-  device = jax.devices()[0]
-  description = {'platform': jax.default_backend(), 'device': device.device_kind,
-                 'devices': jax.device_count(), 'jax': jax.__version__}
-  if jax.default_backend() == 'cpu':
-    description.update(cpu=_cpu_model(), cores=os.cpu_count(), machine=platform.machine())
-  return description
+def as_speculative_beam_output(output: BeamOutput) -> SpeculativeBeamOutput:
+  """Plain beam search as a gamma-0 SpeculativeBeamOutput: one target call a search step,
+  each advancing one step, no draft calls."""
+  steps = int(jax.device_get(output.steps))
+  return SpeculativeBeamOutput(output=output, stats=SpeculativeBeamStats(
+      target_calls=np.int32(steps), draft_calls=np.zeros((), np.int32),
+      steps_per_call=np.array([0, steps], np.int32)))
 
 
-def _cpu_model() -> str:
-  try:
-    with open('/proc/cpuinfo') as cpuinfo:
-      for line in cpuinfo:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or 'unknown'
+def calibration_key(**parts) -> dict:
+  """A calibration's cache key: the machine (jaxspec.machine.description) and `parts`
+  (models, settings, lengths), as JSON values."""
+  return json.loads(json.dumps({'machine': machine.description(), **parts}, default=str))
 
 
 class GammaCostCache:
@@ -241,7 +234,112 @@ def _timed(decode: Callable, batch):
   return output, time.perf_counter() - start
 
 
-class AutoGammaDecoder:
+class _ChoosingDecoder:
+  """What both automatic decoders share. `_decoder(gamma)` decodes a batch with a gamma,
+  0 being the plain decoder (its output wrapped as the speculative one's); a choice is
+  compiled for a batch's shapes before the caller's clock starts (`ready`); and the run
+  measures itself: each batch's plain work (`_work`: the steps the plain decoder would
+  run) times the plain decoder's seconds a step, over the seconds the chosen gamma took,
+  is the speedup that gamma realized, which replaces calibrations and predictions once a
+  gamma has decoded REALIZED_BATCHES batches."""
+
+  REALIZED_BATCHES = 4
+  PLAIN_STEPS = 64  # plain steps of the run's own before its step cost replaces calibration
+
+  def __init__(self, gammas: Sequence[int], min_speedup: float):
+    self.gammas = tuple(sorted(set(int(g) for g in gammas)))
+    if not self.gammas or self.gammas[0] < 1:
+      raise ValueError(f'auto gammas must be integers >= 1 (0, the plain decoder, is always '
+                       f'a choice), got {tuple(gammas)!r}')
+    self.min_speedup = min_speedup
+    self.gamma_counts: dict[int, int] = {}
+    self._next: int | None = None  # decided by ready() for the next call
+    self._compiled: set = set()  # (gamma, batch shapes) that have run
+    # gamma -> [the plain decoder's seconds for its batches, their seconds, batches]
+    self._realized: dict[int, list] = {}
+    self._plain_seconds, self._plain_steps = 0.0, 0
+
+  # What a subclass defines.
+  def _decoder(self, gamma: int) -> Callable:
+    raise NotImplementedError
+
+  def _work(self, output) -> int:
+    raise NotImplementedError
+
+  def _calibrated_step_seconds(self) -> float:
+    raise NotImplementedError
+
+  def _observe(self, gamma: int, output):
+    """What a decoded batch says besides its time (alpha, lengths); nothing by default."""
+
+  def choose(self) -> int:
+    raise NotImplementedError
+
+  # Shared.
+  def plain_step_seconds(self) -> float:
+    """The plain decoder's seconds a step: the run's own once it ran PLAIN_STEPS steps."""
+    if self._plain_steps >= self.PLAIN_STEPS:
+      return self._plain_seconds / self._plain_steps
+    return self._calibrated_step_seconds()
+
+  def realized_speedups(self) -> dict[int, float]:
+    return {g: plain / max(seconds, 1e-12)
+            for g, (plain, seconds, batches) in self._realized.items()
+            if g and batches >= self.REALIZED_BATCHES}
+
+  def _compile(self, gamma: int, batch):
+    shapes = (gamma, tuple(jax.tree_util.tree_map(np.shape, batch)))
+    if shapes not in self._compiled:
+      jax.block_until_ready(self._decoder(gamma)(batch))
+      self._compiled.add(shapes)
+
+  def _time_candidates(self, batches: Sequence[Any], repeats: int):
+    """({gamma: the fastest of `repeats` rounds of decoding `batches`}, {gamma: the first
+    round's outputs}) for 0 and every gamma, compiled first and interleaved batch by
+    batch so that load hits all alike."""
+    candidates = (0,) + self.gammas
+    for gamma in candidates:
+      for batch in batches:
+        self._compile(gamma, batch)
+    fastest = {g: np.inf for g in candidates}
+    outputs: dict[int, list] = {g: [] for g in candidates}
+    for repeat in range(repeats):
+      seconds = {g: 0.0 for g in candidates}
+      for batch in batches:
+        for gamma in candidates:
+          output, elapsed = _timed(self._decoder(gamma), batch)
+          seconds[gamma] += elapsed
+          if repeat == 0:
+            outputs[gamma].append(output)
+      fastest = {g: min(fastest[g], seconds[g]) for g in candidates}
+    return fastest, outputs
+
+  def ready(self, batch):
+    """Decides the gamma for `batch` and, where that decoder has not yet run on a batch
+    of its shapes, runs it once (it compiles), so that the timed call that follows
+    decodes only. Callers that time each batch call it before the clock starts."""
+    self._next = self.choose()
+    self._compile(self._next, batch)
+
+  def __call__(self, batch):
+    gamma, self._next = (self.choose() if self._next is None else self._next), None
+    self._compiled.add((gamma, tuple(jax.tree_util.tree_map(np.shape, batch))))
+    self.gamma_counts[gamma] = self.gamma_counts.get(gamma, 0) + 1
+    output, seconds = _timed(self._decoder(gamma), batch)
+    steps = self._work(output)
+    if gamma == 0:
+      self._plain_seconds += seconds
+      self._plain_steps += steps
+    else:
+      entry = self._realized.setdefault(gamma, [0.0, 0.0, 0])
+      entry[0] += self.plain_step_seconds() * steps
+      entry[1] += seconds
+      entry[2] += 1
+    self._observe(gamma, output)
+    return output
+
+
+class AutoGammaDecoder(_ChoosingDecoder):
   """Speculative decoding with gamma chosen per batch (0: the baseline), from costs
   measured for this batch size and the running alpha and output lengths.
 
@@ -257,71 +355,48 @@ class AutoGammaDecoder:
                gammas: Sequence[int] = DEFAULT_GAMMAS, key: Mapping[str, Any] | None = None,
                cache: GammaCostCache | None = None, min_speedup: float = MIN_SPEEDUP,
                refresh_batches: int = 32):
-    gammas = tuple(sorted(set(int(g) for g in gammas)))
-    if not gammas or gammas[0] < 1:
-      raise ValueError(f'auto gammas must be integers >= 1 (0, the baseline, is always '
-                       f'a choice), got {gammas!r}')
+    super().__init__(gammas, min_speedup)
     self.decode_baseline, self.decode_speculative = decode_baseline, decode_speculative
-    self.spec, self.batch_size, self.gammas = spec, batch_size, gammas
-    self.key = None if key is None else {**key, 'batch_size': batch_size, 'gammas': gammas}
-    self.cache, self.min_speedup = cache, min_speedup
+    self.spec, self.batch_size = spec, batch_size
+    self.key = (None if key is None else
+                {**key, 'batch_size': batch_size, 'gammas': self.gammas})
+    self.cache = cache
     self.costs: BatchCosts | None = None
     self.overlap_sum, self.verified_positions = 0.0, 0
     self.lengths: list[int] = []
-    self.gamma_counts: dict[int, int] = {}
     self.current: int | None = None  # the gamma in use
     self.refresh_batches = refresh_batches
     self._since_decision = 0
-    self._next: int | None = None  # decided by ready() for the next call
-    self._compiled: set = set()  # (gamma, batch shapes) that have run
-    # gamma -> [the baseline's seconds for its batches (step_seconds x their longest
-    # output), their seconds with gamma, batches]: the speedup this run realized.
-    self._realized: dict[int, list] = {}
-    self._baseline_seconds, self._baseline_steps = 0.0, 0
     self._alpha_prior: float | None = None
 
   def spec_for(self, gamma: int) -> SpeculativeConfig:
     lengths = tuple(k for k in self.spec.verify_lengths if k <= gamma)
     return dataclasses.replace(self.spec, gamma=gamma, verify_lengths=lengths)
 
+  def _decoder(self, gamma: int) -> Callable:
+    if gamma == 0:
+      return lambda batch: as_speculative_output(self.decode_baseline(batch))
+    return lambda batch: self.decode_speculative(batch, self.spec_for(gamma))
+
+  def _work(self, output: SpeculativeOutput) -> int:
+    return int(np.max(jax.device_get(output.output.lengths)))
+
+  def _calibrated_step_seconds(self) -> float:
+    return self.costs.step_seconds
+
+  def _observe(self, gamma: int, output: SpeculativeOutput, lengths: bool = True):
+    if gamma:
+      stats = jax.device_get(output.stats)
+      self.overlap_sum += float(stats.overlap_sum)
+      self.verified_positions += int(stats.verified_positions)
+    if lengths:
+      self.lengths.extend(int(n) for n in jax.device_get(output.output.lengths))
+
   @property
   def alpha(self) -> float:
     if self.verified_positions:
       return self.overlap_sum / self.verified_positions
     return 0.0 if self._alpha_prior is None else self._alpha_prior
-
-  REALIZED_BATCHES = 4  # batches of a gamma before its realized speedup replaces the model's
-
-  def realized_speedups(self) -> dict[int, float]:
-    """{gamma: the baseline's predicted seconds over the seconds gamma took} for the gammas
-    this run decoded REALIZED_BATCHES batches with (0: 1 by definition)."""
-    return {g: baseline / max(seconds, 1e-12)
-            for g, (baseline, seconds, batches) in self._realized.items()
-            if g and batches >= self.REALIZED_BATCHES}
-
-  def step_seconds(self) -> float:
-    """The baseline's seconds per step: this run's own once it decoded 64 steps with it."""
-    if self._baseline_steps >= 64:
-      return self._baseline_seconds / self._baseline_steps
-    return self.costs.step_seconds
-
-  def _realize(self, gamma: int, seconds: float, output: SpeculativeOutput):
-    steps = int(np.max(jax.device_get(output.output.lengths)))
-    if gamma == 0:
-      self._baseline_seconds += seconds
-      self._baseline_steps += steps
-      return
-    entry = self._realized.setdefault(gamma, [0.0, 0.0, 0])
-    entry[0] += self.step_seconds() * steps
-    entry[1] += seconds
-    entry[2] += 1
-
-  def _observe(self, output: SpeculativeOutput, lengths: bool = True):
-    stats = jax.device_get(output.stats)
-    self.overlap_sum += float(stats.overlap_sum)
-    self.verified_positions += int(stats.verified_positions)
-    if lengths:
-      self.lengths.extend(int(n) for n in jax.device_get(output.output.lengths))
 
   def load_calibration(self) -> bool:
     """The cached costs (and alpha, lengths as priors) for this key, where there are."""
@@ -339,39 +414,16 @@ class AutoGammaDecoder:
     """Measures step_seconds and iteration_seconds[g] over `batches` (decoded once each
     untimed first, which compiles), interleaving the decoders so that load hits all
     alike; the fastest of `repeats` rounds. Saves them in the cache."""
-    decoders = {0: self.decode_baseline}
-    decoders.update({g: (lambda batch, g=g: self.decode_speculative(batch, self.spec_for(g)))
-                     for g in self.gammas})
-    for gamma, decode in decoders.items():
-      for batch in batches:
-        shapes = (gamma, tuple(jax.tree_util.tree_map(np.shape, batch)))
-        if shapes not in self._compiled:
-          jax.block_until_ready(decode(batch))
-          self._compiled.add(shapes)
-    best: dict[int, float] = {}
-    totals = {g: np.inf for g in decoders}
-    for repeat in range(repeats):
-      seconds = {g: 0.0 for g in decoders}
-      units = {g: 0 for g in decoders}
-      for batch in batches:
-        for gamma, decode in decoders.items():
-          output, elapsed = _timed(decode, batch)
-          seconds[gamma] += elapsed
-          if gamma == 0:
-            units[0] += int(jnp.max(output.lengths))
-            if repeat == 0:
-              self.lengths.extend(int(n) for n in jax.device_get(output.lengths))
-          else:
-            units[gamma] += int(output.stats.target_calls)
-            if repeat == 0:
-              self._observe(output, lengths=False)
-      for gamma in decoders:
-        best[gamma] = min(best.get(gamma, np.inf), seconds[gamma] / max(units[gamma], 1))
-        totals[gamma] = min(totals[gamma], seconds[gamma])
+    seconds, outputs = self._time_candidates(batches, repeats)
+    for gamma, gamma_outputs in outputs.items():
+      for output in gamma_outputs:  # lengths from the baseline's, alpha from the others'
+        self._observe(gamma, output, lengths=gamma == 0)
+    steps = sum(self._work(output) for output in outputs[0])
+    calls = {g: sum(int(o.stats.target_calls) for o in outputs[g]) for g in self.gammas}
     self.costs = BatchCosts(
-        batch_size=self.batch_size, step_seconds=best[0],
-        iteration_seconds={g: best[g] for g in self.gammas},
-        measured_speedup={g: totals[0] / max(totals[g], 1e-12) for g in self.gammas},
+        batch_size=self.batch_size, step_seconds=seconds[0] / max(steps, 1),
+        iteration_seconds={g: seconds[g] / max(calls[g], 1) for g in self.gammas},
+        measured_speedup={g: seconds[0] / max(seconds[g], 1e-12) for g in self.gammas},
         alpha=self.alpha, lengths=tuple(self.lengths))
     if self.cache is not None and self.key is not None:
       self.cache.save(self.key, self.costs, self.alpha, self.lengths)
@@ -391,46 +443,11 @@ class AutoGammaDecoder:
     self._since_decision += 1
     return self.current
 
-  def ready(self, batch):
-    """Decides the gamma for `batch` and, where that decoder has not yet run on a batch
-    of its shapes, runs it once (it compiles), so that the timed call that follows
-    decodes only. Callers that time each batch call it before the clock starts."""
-    gamma = self._next = self.choose()
-    shapes = (gamma, tuple(jax.tree_util.tree_map(np.shape, batch)))
-    if shapes not in self._compiled:
-      decode = (self.decode_baseline if gamma == 0 else
-                lambda b: self.decode_speculative(b, self.spec_for(gamma)))
-      jax.block_until_ready(decode(batch))
-      self._compiled.add(shapes)
-
-  def __call__(self, batch) -> SpeculativeOutput:
-    gamma, self._next = (self.choose() if self._next is None else self._next), None
-    self._compiled.add((gamma, tuple(jax.tree_util.tree_map(np.shape, batch))))
-    self.gamma_counts[gamma] = self.gamma_counts.get(gamma, 0) + 1
-    if gamma == 0:
-      output, seconds = _timed(lambda b: as_speculative_output(self.decode_baseline(b)), batch)
-      self.lengths.extend(int(n) for n in jax.device_get(output.output.lengths))
-    else:
-      output, seconds = _timed(lambda b: self.decode_speculative(b, self.spec_for(gamma)),
-                               batch)
-      self._observe(output)
-    self._realize(gamma, seconds, output)
-    return output
-
 
 # ----------------------------------------------------------------------------------
 # Speculative beam search: plain beam search where it cannot pay.
 
 BEAM_GAMMAS = (1, 2, 3)  # speculative beam search's candidates (0: plain beam search)
-
-
-def as_speculative_beam_output(output: BeamOutput) -> SpeculativeBeamOutput:
-  """Plain beam search as a gamma-0 SpeculativeBeamOutput: one target call a search step,
-  each advancing one step, no draft calls."""
-  steps = jnp.asarray(output.steps, jnp.int32)
-  return SpeculativeBeamOutput(output=output, stats=SpeculativeBeamStats(
-      target_calls=steps, draft_calls=jnp.zeros((), jnp.int32),
-      steps_per_call=jnp.zeros((2,), jnp.int32).at[1].set(steps)))
 
 
 def choose_measured(speedups: Mapping[int, float], min_speedup: float = MIN_SPEEDUP) -> int:
@@ -439,7 +456,7 @@ def choose_measured(speedups: Mapping[int, float], min_speedup: float = MIN_SPEE
   return best if best and speedups[best] >= min_speedup else 0
 
 
-class AutoBeamDecoder:
+class AutoBeamDecoder(_ChoosingDecoder):
   """Speculative beam search with gamma chosen by measurement, 0 (plain beam search)
   included: its output is plain beam search's for any gamma, so only walltime depends
   on the choice.
@@ -451,21 +468,14 @@ class AutoBeamDecoder:
   REALIZED_BATCHES batches in the run, in the run itself.
   """
 
-  REALIZED_BATCHES = AutoGammaDecoder.REALIZED_BATCHES
-
   def __init__(self, decode_beam: Callable, decode_speculative_beam: Callable,
                spec: SpeculativeBeamConfig, *, gammas: Sequence[int] = BEAM_GAMMAS,
                min_speedup: float = MIN_SPEEDUP):
+    super().__init__(gammas, min_speedup)
     self.decode_beam, self.decode_speculative_beam = decode_beam, decode_speculative_beam
-    self.spec, self.gammas, self.min_speedup = spec, tuple(sorted(set(gammas))), min_speedup
-    if not self.gammas or self.gammas[0] < 1:
-      raise ValueError(f'auto gammas must be integers >= 1, got {gammas!r}')
+    self.spec = spec
     self.step_seconds: float | None = None  # plain beam search's seconds a search step
     self.measured: dict[int, float] = {}
-    self._realized: dict[int, list] = {}  # gamma -> [plain seconds, seconds, batches]
-    self.gamma_counts: dict[int, int] = {}
-    self._compiled: set = set()
-    self._next: int | None = None
 
   def spec_for(self, gamma: int) -> SpeculativeBeamConfig:
     return dataclasses.replace(self.spec, gamma=gamma)
@@ -475,59 +485,24 @@ class AutoBeamDecoder:
       return lambda batch: as_speculative_beam_output(self.decode_beam(batch))
     return lambda batch: self.decode_speculative_beam(batch, self.spec_for(gamma))
 
-  def _compile(self, gamma: int, batch):
-    shapes = (gamma, tuple(jax.tree_util.tree_map(np.shape, batch)))
-    if shapes not in self._compiled:
-      jax.block_until_ready(self._decoder(gamma)(batch))
-      self._compiled.add(shapes)
+  def _work(self, output: SpeculativeBeamOutput) -> int:
+    return int(jax.device_get(output.stats.steps))
+
+  def _calibrated_step_seconds(self) -> float:
+    return self.step_seconds
 
   def calibrate(self, batches: Sequence[Any], repeats: int = 2):
     """Times plain beam search and each gamma over `batches` (compiled first),
     interleaved; the fastest of `repeats` rounds."""
-    candidates = (0,) + self.gammas
-    for gamma in candidates:
-      for batch in batches:
-        self._compile(gamma, batch)
-    totals = {g: np.inf for g in candidates}
-    steps = 0
-    for repeat in range(repeats):
-      seconds = {g: 0.0 for g in candidates}
-      for batch in batches:
-        for gamma in candidates:
-          output, elapsed = _timed(self._decoder(gamma), batch)
-          seconds[gamma] += elapsed
-          if gamma == 0 and repeat == 0:
-            steps += int(output.output.steps)
-      totals = {g: min(totals[g], seconds[g]) for g in candidates}
-    self.step_seconds = totals[0] / max(steps, 1)
-    self.measured = {g: totals[0] / max(totals[g], 1e-12) for g in self.gammas}
+    seconds, outputs = self._time_candidates(batches, repeats)
+    self.step_seconds = seconds[0] / max(sum(self._work(o) for o in outputs[0]), 1)
+    self.measured = {g: seconds[0] / max(seconds[g], 1e-12) for g in self.gammas}
 
   def speedups(self) -> dict[int, float]:
     """Each gamma's speedup: the run's own where it decoded enough batches with it."""
-    realized = {g: plain / max(seconds, 1e-12)
-                for g, (plain, seconds, batches) in self._realized.items()
-                if batches >= self.REALIZED_BATCHES}
-    return {**self.measured, **realized}
+    return {**self.measured, **self.realized_speedups()}
 
   def choose(self) -> int:
     if self.step_seconds is None:
       raise ValueError('AutoBeamDecoder has no measurements: calibrate() first')
     return choose_measured(self.speedups(), self.min_speedup)
-
-  def ready(self, batch):
-    """Decides the gamma for `batch` and compiles it for the batch's shapes, so the timed
-    call that follows decodes only."""
-    self._next = self.choose()
-    self._compile(self._next, batch)
-
-  def __call__(self, batch) -> SpeculativeBeamOutput:
-    gamma, self._next = (self.choose() if self._next is None else self._next), None
-    self.gamma_counts[gamma] = self.gamma_counts.get(gamma, 0) + 1
-    output, seconds = _timed(self._decoder(gamma), batch)
-    if gamma:
-      entry = self._realized.setdefault(gamma, [0.0, 0.0, 0])
-      entry[0] += self.step_seconds * int(output.stats.steps)
-      entry[1] += seconds
-      entry[2] += 1
-    return output
-

@@ -48,7 +48,7 @@ from jaxspec.decoding.verification.coupled import coupled_tokens, coupled_verdic
 from jaxspec.decoding.verification.token import (greedy_verdict, mask_unproposed,
                                                  speculative_verdict)
 
-AUTO = 'auto'  # SpeculativeConfig.gamma chosen per batch (jaxspec.decoding.auto_gamma)
+AUTO = validation.AUTO_GAMMA  # gamma chosen per batch (jaxspec.decoding.auto_gamma)
 VERIFICATIONS = tuple(verification.RULES)  # ('token', 'block', 'coupled')
 
 
@@ -99,11 +99,7 @@ class SpeculativeConfig:
   verify_lengths: tuple[int, ...] = dataclasses.field(default=(), metadata=OMIT_AT_DEFAULT)
 
   def __post_init__(self):
-    if self.gamma != AUTO and (isinstance(self.gamma, bool) or not isinstance(self.gamma, int)):
-      raise ValueError(f'gamma (jaxspec.SpeculativeConfig.gamma) must be an integer, got '
-                       f"{self.gamma!r} (or '{AUTO}': chosen per batch)")
-    if self.gamma != AUTO and self.gamma < 1:
-      raise ValueError(f'gamma must be >= 1, got {self.gamma}')
+    validation.check_gamma_setting('jaxspec.SpeculativeConfig.gamma', self.gamma)
     if not 0.0 < self.lenience <= 1.0:
       raise ValueError(f'lenience must be in (0, 1] (1 is exact), got {self.lenience}')
     if self.verification not in verification.RULES:

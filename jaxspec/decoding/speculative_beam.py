@@ -51,11 +51,7 @@ class SpeculativeBeamConfig:
   draft_beams: int = 0  # u, the draft's beam width (>= num_beams); 0: 2 * num_beams.
 
   def __post_init__(self):
-    if self.gamma != 'auto' and (isinstance(self.gamma, bool) or not isinstance(self.gamma, int)):
-      raise ValueError(f'gamma (jaxspec.SpeculativeBeamConfig.gamma) must be an integer, got '
-                       f"{self.gamma!r} (or 'auto': chosen by measurement)")
-    if self.gamma != 'auto' and self.gamma < 1:
-      raise ValueError(f'gamma must be >= 1, got {self.gamma}')
+    validation.check_gamma_setting('jaxspec.SpeculativeBeamConfig.gamma', self.gamma)
     if self.draft_beams < 0:
       raise ValueError(f'draft_beams must be >= 0 (0: twice the beams), got '
                        f'{self.draft_beams}')
@@ -261,7 +257,7 @@ def speculative_beam_generate(target_params, draft_params, encoder_tokens, *,
     raise ValueError(
         f'draft and target vocabularies differ: the draft has vocab_size '
         f'{draft_config.vocab_size}, the target {target_config.vocab_size}')
-  if spec.gamma == 'auto':
+  if spec.gamma == validation.AUTO_GAMMA:
     raise ValueError("speculative_beam_generate takes an integer gamma; gamma='auto' is "
                      'chosen by jaxspec.decoding.auto_gamma.AutoBeamDecoder (as the '
                      'launcher does)')

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import inference
+from jaxspec import inference, machine
 from jaxspec.config import CPU_MATMULS, CPU_MATMUL_XLA, get_config
 from jaxspec.decoding.drafters import Int8Drafter, SharedEncoderDrafterWithTarget, T5Drafter
 from jaxspec.measure import accelerator, step_costs
@@ -687,7 +687,7 @@ def main(argv=None):
   command = 'jaxspec-accelerator-bench ' + ' '.join(
       shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
   record = {
-      'kind': 'accelerator_bench', 'commit': accelerator.git_commit(),
+      'kind': 'accelerator_bench', 'commit': machine.git_commit(),
       'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
       'device': device, 'versions': accelerator.versions(), 'command': command.strip(),
       'matmul': cpu_matmul_lib.kernel_status(args.cpu_matmul),

@@ -18,15 +18,13 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
 import gin
 import jax
 
-from jaxspec import inference
-from jaxspec.decoding import auto_gamma
+from jaxspec import inference, machine
 from jaxspec.launch import gin_flags
 from jaxspec.launch import infer as infer_script
 
@@ -36,35 +34,11 @@ COLUMNS = ('batch_size', 'temperature', 'examples', 'baseline_tokens_per_second'
            'identical_outputs')
 
 
-def _lscpu_caches() -> dict:
-  try:
-    text = subprocess.run(['lscpu'], capture_output=True, text=True, check=True).stdout
-  except (OSError, subprocess.CalledProcessError):
-    return {}
-  caches = {}
-  for line in text.splitlines():
-    match = re.match(r'\s*(L\d\w?) cache:\s*(.+)', line)
-    if match:
-      caches[match.group(1)] = match.group(2).strip()
-  return caches
-
-
-def machine() -> dict:
-  """The machine the numbers belong to: the device or CPU model, cores, caches."""
-  description = auto_gamma.machine_description()
-  if description['platform'] == 'cpu':
-    description['caches'] = _lscpu_caches()
-  return description
-
-
 def provenance(argv) -> dict:
-  try:
-    commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-  except OSError:
-    commit = ''
-  return {'commit': commit[:7] or None, 'date': time.strftime('%Y-%m-%d'),
-          'machine': machine(), 'load_average': f'{os.getloadavg()[0]:.2f}',
+  """The record's commit, date, machine (with its caches), 1-minute load and command."""
+  return {'commit': (machine.git_commit() or '')[:7] or None,
+          'date': time.strftime('%Y-%m-%d'), 'machine': machine.description(caches=True),
+          'load_average': f'{os.getloadavg()[0]:.2f}',
           'command': ' '.join(['jaxspec-batch-sizes', *argv])}
 
 
@@ -158,8 +132,9 @@ def main(argv: list[str] | None = None):
   args, extra = parser.parse_known_args(argv)
   if any(not flag.startswith('--gin') for flag in extra):
     parser.error(f'unknown flags {extra}')
+  described = machine.description()
   name = args.name or re.sub(r'[^a-z0-9]+', '-', (
-      machine().get('cpu') or jax.devices()[0].device_kind).lower()).strip('-')
+      described.get('cpu') or described['device']).lower()).strip('-')
   run(gin_file=args.gin_file, batch_sizes=args.batch_sizes, temperatures=args.temperatures,
       num_examples=args.num_examples, output_dir=args.output_dir, name=name,
       extra_flags=extra, argv=argv)

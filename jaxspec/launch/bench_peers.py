@@ -48,8 +48,7 @@ import transformers
 
 from jaxspec.launch import gin_flags
 import jaxspec.configurables  # noqa: F401  (registers T5Config with gin)
-from jaxspec.measure import benchmark
-from jaxspec import inference
+from jaxspec import inference, machine
 from jaxspec.checkpoints.hf import save_hf_checkpoint
 from jaxspec.config import EOS_ID, PAD_ID, T5Config
 from jaxspec.data import corpora
@@ -254,7 +253,7 @@ def diagnose(index: int, row: np.ndarray, tokens: list[int], reference: list[int
 
 
 def machine_description() -> dict:
-  return {'cpu': benchmark.cpu_model(), 'cores': len(os.sched_getaffinity(0)), 'cpu_count': os.cpu_count(),
+  return {'cpu': machine.cpu_model(), 'cores': len(os.sched_getaffinity(0)), 'cpu_count': os.cpu_count(),
           'load_average_1m_at_start': os.getloadavg()[0],
           'torch_threads': torch.get_num_threads(),
           'omp_wait_policy': os.environ.get('OMP_WAIT_POLICY'), 'jax_device': jax.devices()[0].device_kind,

@@ -47,7 +47,7 @@ from jaxspec.launch import gin_flags
 from jaxspec.launch import infer as infer_script
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
 from jaxspec.measure import analysis, benchmark as measure, metrics
-from jaxspec import inference
+from jaxspec import inference, machine
 from jaxspec.config import T5Config
 from jaxspec.data import corpora
 from jaxspec.decoding.baseline import generate
@@ -70,7 +70,7 @@ OTHER_DRAFTERS = {'unigram': UnigramDrafter, 'bigram': BigramDrafter,
 
 def machine_description() -> dict:
   device = jax.devices()[0]
-  return {'device': device.device_kind, 'platform': device.platform, 'cpu': measure.cpu_model(),
+  return {'device': device.device_kind, 'platform': device.platform, 'cpu': machine.cpu_model(),
           'cpu_count': os.cpu_count(), 'jax': jax.__version__,
           'date': time.strftime('%Y-%m-%d')}
 

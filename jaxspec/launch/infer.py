@@ -198,11 +198,10 @@ def calibration_batch_count(batch_size: int) -> int:
 def calibration_key(target_model, drafter, sampling, speculative, **more) -> dict:
   """What a calibration's costs depend on: the machine, the models, the decoding
   settings besides gamma, the lengths (and mesh)."""
-  return json.loads(json.dumps({
-      'machine': auto_gamma.machine_description(),
-      'target_model': inference.describe(target_model), 'drafter': inference.describe(drafter),
-      'sampling': inference.describe(sampling), 'speculative': inference.describe(speculative),
-      **more}, default=str))
+  return auto_gamma.calibration_key(
+      target_model=inference.describe(target_model), drafter=inference.describe(drafter),
+      sampling=inference.describe(sampling), speculative=inference.describe(speculative),
+      **more)
 
 
 def auto_gamma_decoder(decode_baseline, decode_speculative, speculative, *, batch_size,
@@ -724,7 +723,6 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   else:
     task = load_own_text(input_file, input_field, corpus, num_examples)
     output_dir = os.path.join(output_dir, f"inputs-{task.identity['input_file']}")
-  examples, vocab = task.examples, task.vocab
   inputs = encode_inputs(task.input_ids, input_length, overlong_inputs)
   settings = run_settings(
       target_model=target_model, target_checkpoint=target_checkpoint, drafter=drafter,

@@ -27,6 +27,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jaxspec import machine
 from jaxspec.measure import benchmark, step_costs
 from jaxspec.config import get_config
 from jaxspec.decoding.drafters.t5 import T5Drafter
@@ -114,7 +115,7 @@ def measure(args) -> dict:
                                                                     setup)
                                     for variant in VARIANTS}}
   return {
-      'date': datetime.date.today().isoformat(), 'cpu': benchmark.cpu_model(),
+      'date': datetime.date.today().isoformat(), 'cpu': machine.cpu_model(),
       'backend': jax.default_backend(), 'devices': len(jax.devices()),
       'setup': vars(setup) if hasattr(setup, '__dict__') else str(setup),
       'gamma': args.gamma, 'roofline': roofline, 'targets': targets, 'drafts': drafts}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import subprocess
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -38,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import machine
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import speculative
 from jaxspec.decoding.baseline import generate
@@ -98,23 +98,12 @@ def device_description() -> dict:
   return {'device_kind': device.device_kind, 'platform': device.platform,
           'count': jax.device_count(), 'memory_bytes': memory,
           'peak_bandwidth_bytes_per_s': peak_bandwidth(device.device_kind),
-          'host_cpu': benchmark.cpu_model(), 'host_cores': os.cpu_count()}
+          'host_cpu': machine.cpu_model(), 'host_cores': os.cpu_count()}
 
 
 def versions() -> dict:
   import jaxlib  # pylint: disable=import-outside-toplevel
   return {'jax': jax.__version__, 'jaxlib': jaxlib.__version__}
-
-
-def git_commit(directory: str | None = None) -> str | None:
-  """HEAD of the checkout holding `directory` (default: this package's), or None."""
-  directory = directory or os.path.dirname(os.path.abspath(__file__))
-  try:
-    result = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=directory, capture_output=True,
-                            text=True, check=True, timeout=10)
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return result.stdout.strip() or None
 
 
 # ---------------------------------------------------------------------------

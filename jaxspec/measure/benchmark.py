@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import platform
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -45,16 +43,6 @@ from jaxspec.decoding.drafters.t5 import T5Drafter
 from jaxspec.model import T5, rollback
 from jaxspec.sampling import SamplingConfig, standardize
 from jaxspec.decoding.verification.token import acceptance_rate
-
-
-def cpu_model() -> str:
-  """The host CPU's model name (from /proc/cpuinfo where there is one)."""
-  if os.path.exists('/proc/cpuinfo'):
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  return platform.processor() or platform.machine()
 
 
 # ---------------------------------------------------------------------------
