@@ -5,8 +5,8 @@
   with T5Config.cpu_matmul = 'kernel' and float32 few-row products where the CPU uses it.
 - The compiled speculative loop moves nothing to or from the host per iteration: no host
   callback, infeed, outfeed, send or recv (and no custom call at all) in its optimized
-  HLO; the loop's caches are updated in place (batch > 1: scatters into the loop state,
-  no copy of a cache buffer inside the loop; batch 1: see the xfail below). The API
+  HLO; the loop's caches are updated in place: batch > 1 by scatters, batch 1 by
+  dynamic update slices into the loop state, and no copy of a cache buffer inside it. The API
   donates nothing: every decode buffer is made inside the jitted call (no argument has
   a cache buffer's shape, the entry computation aliases no input to an output).
 - The int8 self-draft decodes through plain XLA (cpu_matmul='xla'), and speculative
@@ -238,11 +238,6 @@ def test_batched_caches_are_scattered_in_place_inside_the_loop():
   assert _whole_buffer_copies(found, body, shape) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'batch 1 on the XLA path: jaxspec.model.cache.write_all picks a dynamic-update-slice '
-    'or a scatter under lax.cond, and XLA copies each cache buffer out of the '
-    'conditional at every decode step (the DUS itself is in place). The CPU kernel '
-    'route (attend_and_write) avoids it; an accelerator does not take that route.'))
 def test_single_row_caches_update_in_place_inside_the_loop():
   text, config, max_decode_length = _compiled_loop(1)
   found, body = _loop_body(text)

@@ -35,15 +35,18 @@ def test_write_matches_reference(batch, starts, length):
 
 
 def test_one_row_write_is_in_place_in_a_loop():
-  """A scan that writes one position a step and reads the buffer back updates the
-  carried buffer in place: the compiled loop body copies no buffer-sized array (a
-  scatter there copied every cache buffer whole at every step)."""
+  """A scan that reads the buffer, then writes one position a step where the write
+  depends on what was read (as jaxspec.model.cpu.attention.xla_attend_and_write orders
+  its writes), updates the carried buffer in place: the compiled loop body copies no
+  buffer-sized array (a scatter, or a conditional choosing one, copied every cache
+  buffer whole at every step)."""
   buffer = jnp.zeros((1, 8, 64, 69), jnp.float32)
 
   def step(carry, position):
+    read = jnp.sum(carry[..., :4])
     new = jnp.full((1, 1, 8, 64), position, jnp.float32)
-    carry = cache.write(carry, new, position[None, None])
-    return carry, jnp.sum(carry[..., :4])
+    carry = cache.write(carry, new, jnp.where(read == read, position, 69)[None, None])
+    return carry, read
 
   program = jax.jit(lambda b: jax.lax.scan(step, b, jnp.arange(5, dtype=jnp.int32)))
   text = program.lower(buffer).compile().as_text()

@@ -49,36 +49,45 @@ def write(buffer, new, write_positions):
   run contiguously in each row (end_index[b] + 0..t-1, as decode writes them).
 
   Positions past the buffer are dropped, never clamped onto valid slots. With one row
-  the positions are contiguous (end_index + 0..t-1) and are written by a dynamic update
-  slice, which XLA:CPU performs in place inside a decode loop, where a scatter made it
-  copy every buffer whole at every step (docs/design.md); a window that would run past
-  the buffer takes the scatter instead.
+  the write is a dynamic update slice of a t-slot window (write_window), which XLA
+  performs in place inside a decode loop, where a scatter made it copy every buffer
+  whole at every step (docs/design.md).
   """
   return write_all((buffer,), (new,), write_positions)[0]
 
 
 def write_all(buffers, news, write_positions):
   """`write` of news[i] into buffers[i] (one layer's keys and values) at the same
-  write_positions, under one conditional for all of them: a decode step pays one
-  conditional a layer, not one a buffer."""
+  write_positions."""
   news = tuple(new.astype(buffer.dtype) for buffer, new in zip(buffers, news))
+  if buffers[0].shape[0] == 1 and news[0].shape[1] <= buffers[0].shape[3]:
+    start = write_positions[0, 0]
+    return tuple(write_window(buffer, new, start) for buffer, new in zip(buffers, news))
   rows = jnp.arange(buffers[0].shape[0])[:, None]  # [b, 1]
+  # Indexing rows and positions (separated by the h, d slices) addresses [b, t, h, d].
+  return tuple(buffer.at[rows, :, :, write_positions].set(new, mode='drop')
+               for buffer, new in zip(buffers, news))
 
-  def scatter():
-    # Indexing rows and positions (separated by the h, d slices) addresses [b, t, h, d].
-    return tuple(buffer.at[rows, :, :, write_positions].set(new, mode='drop')
-                 for buffer, new in zip(buffers, news))
 
-  if buffers[0].shape[0] != 1:
-    return scatter()
-  start = write_positions[0, 0]
+def write_window(buffer, new, start):
+  """One row: buffer [1, h, d, L] with new [1, t, h, d] at slots start + 0..t-1, those
+  past L dropped, as one dynamic update slice and no conditional (a lax.cond between a
+  slice and a scatter made XLA copy the buffers out of it at every step).
 
-  def update():
-    return tuple(jax.lax.dynamic_update_slice(buffer, jnp.transpose(new, (0, 2, 3, 1)),
-                                              (0, 0, 0, start))  # [1, h, d, t]
-                 for buffer, new in zip(buffers, news))
-
-  return jax.lax.cond(start + news[0].shape[1] <= buffers[0].shape[3], update, scatter)
+  The window written is the t slots from min(start, L - t): its slots before `start`
+  get back what they held, the rest the new positions that fit.
+  """
+  steps, length = new.shape[1], buffer.shape[3]
+  start = jnp.asarray(start, jnp.int32)
+  window_start = jnp.minimum(start, length - steps)
+  held = jax.lax.dynamic_slice_in_dim(buffer, window_start, steps, axis=3)  # [1, h, d, t]
+  shift = start - window_start  # slots of the window before `start`, 0..t
+  slot = jnp.arange(steps, dtype=jnp.int32)
+  # Window slot j holds held[j] before the shift, else new[j - shift].
+  source = jnp.where(slot < shift, slot, steps + slot - shift)  # [t]
+  candidates = jnp.concatenate([held, jnp.transpose(new, (0, 2, 3, 1))], axis=3)
+  window = jnp.take(candidates, source, axis=3)  # [1, h, d, t]
+  return jax.lax.dynamic_update_slice_in_dim(buffer, window, window_start, axis=3)
 
 
 def rollback(cache: DecoderCache, end_index: jax.Array) -> DecoderCache:

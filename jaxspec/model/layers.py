@@ -20,7 +20,7 @@ from jaxspec.model.cpu import attention as cpu_attention, matmul as cpu_matmul
 from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_AXES, TARGET,
                                     constrain)
 
-NEG_INF = -1e10  # Additive mask value, as T5X.
+NEG_INF = cpu_attention.NEG_INF  # Additive mask value, as T5X.
 KERNEL_PARAM = 'kernel'  # A Dense kernel in T5X's layout [in, out].
 KERNEL_T_PARAM = 'kernel_t'  # The same kernel transposed, [out, in] (jaxspec.model.cpu.layout).
 # An int8 kernel [out, in] and its float32 scale per output (jaxspec.model.quantization).

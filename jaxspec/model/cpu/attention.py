@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jaxspec.model import cache as cache_lib
 from jaxspec.model.cpu import matmul as cpu_matmul
 
+NEG_INF = -1e10  # The additive bias of a masked slot, as T5X's.
+
 MAX_QUERIES = cpu_matmul.MAX_ROWS  # Queries per step routed to the kernel (decode steps).
 
 
@@ -100,10 +102,39 @@ def cached_attention(query, keys, values, bias, num_keys=None,
 
 
 def xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts):
-  """attend_and_write through XLA: cache.write_all, then xla_cached_attention."""
-  write_positions = starts[:, None] + jnp.arange(query.shape[1], dtype=jnp.int32)[None, :]
-  keys, values = cache_lib.write_all((keys, values), (new_keys, new_values), write_positions)
-  return xla_cached_attention(query, keys, values, bias), keys, values
+  """attend_and_write through XLA: the queries attend over the cache as it was (its
+  slots from starts[b] on masked) and over the step's own keys/values, then the
+  step's keys/values are written (cache.write_all) as the buffers' last use in the step,
+  so XLA updates them in place: attending after the write made it copy the buffers
+  whole at every step of a one-row decode loop."""
+  steps, length = query.shape[1], keys.shape[3]
+  new_keys, new_values = new_keys.astype(keys.dtype), new_values.astype(values.dtype)
+  slots = starts[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]  # [b, t]
+  cached = jnp.arange(length, dtype=jnp.int32)[None, :] < starts[:, None]  # [b, L]
+  cached_bias = jnp.where(cached[:, None, None, :], bias, NEG_INF)  # [b, h|1, t, L]
+  # The bias of the step's own slots; a slot past the buffer is dropped, as its write.
+  new_bias = jnp.take_along_axis(
+      bias, jnp.broadcast_to(slots[:, None, None, :], bias.shape[:3] + (steps,)), axis=3,
+      mode='fill', fill_value=NEG_INF)  # [b, h|1, t, t]
+  logits = jnp.concatenate([
+      jnp.einsum('bthd,bhds->bhts', query, keys, preferred_element_type=jnp.float32)
+      + cached_bias,
+      jnp.einsum('bthd,bshd->bhts', query, new_keys, preferred_element_type=jnp.float32)
+      + new_bias], axis=3)  # [b, h, t, L + t]
+  weights = jax.nn.softmax(logits, axis=-1).astype(values.dtype)
+  # Both parts summed in float32 and rounded once, as one product over all slots would.
+  out = (jnp.einsum('bhts,bhds->bthd', weights[..., :length], values,
+                    preferred_element_type=jnp.float32)
+         + jnp.einsum('bhts,bshd->bthd', weights[..., length:], new_values,
+                      preferred_element_type=jnp.float32)).astype(values.dtype)
+  # XLA updates the buffers in place only where it sees every read of them ordered
+  # before the write; a write whose operands do not depend on the reads made it copy
+  # both buffers whole at every step. So the write's positions depend on `out` (they
+  # are dropped past the buffer if `out` is NaN, never otherwise).
+  read = jnp.sum(out)
+  slots = jnp.where(read == read, slots, length)
+  keys, values = cache_lib.write_all((keys, values), (new_keys, new_values), slots)
+  return out, keys, values
 
 
 def applies_write(query, new_keys, new_values, keys, values, bias) -> bool:
