@@ -10,7 +10,8 @@ import gin
 from jaxspec.config import T5Config
 from jaxspec.decoding.beam_search import BeamConfig
 from jaxspec.decoding.drafters import (BigramDrafter, Int8Drafter, PromptLookupDrafter,
-                                       SharedEncoderDrafter, T5Drafter, UnigramDrafter)
+                                       SharedEncoderDrafter, StagedDrafter, T5Drafter,
+                                       UnigramDrafter)
 from jaxspec.decoding.speculative import SpeculativeConfig
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig
 from jaxspec.training.distillation import DataMixConfig, DivergenceConfig
@@ -23,5 +24,5 @@ for _cls in (T5Config, SamplingConfig, SpeculativeConfig, BeamConfig, Speculativ
   gin.external_configurable(_cls, module='jaxspec')
 
 for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter,
-                 SharedEncoderDrafter, Int8Drafter):
+                 SharedEncoderDrafter, Int8Drafter, StagedDrafter):
   gin.external_configurable(_drafter, module='jaxspec')

@@ -191,6 +191,7 @@ class SpeculativeOutput:
   output: common.DecodeOutput
   stats: SpeculativeStats
   trace: SpeculativeTrace | None = None  # With record_trace=True.
+  drafter_stats: Any = None  # Drafter.stats of the final drafter state (e.g. StageStats).
 
 
 @flax.struct.dataclass
@@ -622,4 +623,5 @@ def _speculative_generate(target_params, drafter_params, encoder_tokens, rng, *,
   final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, initial)
   output = common.DecodeOutput.from_tokens(final.tokens, final.token_log_probs, eos_id,
                                            final.nonfinite)
-  return SpeculativeOutput(output=output, stats=final.stats, trace=final.trace)
+  return SpeculativeOutput(output=output, stats=final.stats, trace=final.trace,
+                           drafter_stats=drafter.stats(final.drafter_state))

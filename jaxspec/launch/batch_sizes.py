@@ -34,12 +34,12 @@ COLUMNS = ('batch_size', 'temperature', 'examples', 'baseline_tokens_per_second'
            'identical_outputs')
 
 
-def provenance(argv) -> dict:
+def provenance(argv, command: str = 'jaxspec-batch-sizes') -> dict:
   """The record's commit, date, machine (with its caches), 1-minute load and command."""
   return {'commit': (machine.git_commit() or '')[:7] or None,
           'date': time.strftime('%Y-%m-%d'), 'machine': machine.description(caches=True),
           'load_average': f'{os.getloadavg()[0]:.2f}',
-          'command': ' '.join(['jaxspec-batch-sizes', *argv])}
+          'command': ' '.join([command, *argv])}
 
 
 def row(summary: dict, batch_size: int, temperature: float) -> dict:
@@ -54,7 +54,9 @@ def row(summary: dict, batch_size: int, temperature: float) -> dict:
       'identical_outputs': f"{summary['identical_outputs']}/{summary['examples']}"}
 
 
-def write(output_dir: str, name: str, record: dict, plot: bool = False):
+def write_table(output_dir: str, name: str, record: dict, columns, title: str):
+  """<output_dir>/<name>.json (the record) and .md (title, machine, commit and the rows'
+  columns, floats to 2 places, None as '-'), each written whole."""
   os.makedirs(output_dir, exist_ok=True)
   path = os.path.join(output_dir, name)
   inference.write_text_atomic(path + '.json', json.dumps(record, indent=1))
@@ -62,11 +64,15 @@ def write(output_dir: str, name: str, record: dict, plot: bool = False):
            for k, v in r.items()} for r in record['rows']]
   machine_line = ', '.join(f'{k} {v}' for k, v in record['provenance']['machine'].items())
   inference.write_text_atomic(path + '.md', (
-      f"Main job at each batch size ({record['gin_file']}), {machine_line}; "
-      f"commit {record['provenance']['commit']}.\n\n"
-      + inference.markdown_table(rows, COLUMNS)))
+      f"{title}, {machine_line}; commit {record['provenance']['commit']}.\n\n"
+      + inference.markdown_table(rows, columns)))
+
+
+def write(output_dir: str, name: str, record: dict, plot: bool = False):
+  write_table(output_dir, name, record, COLUMNS,
+              f"Main job at each batch size ({record['gin_file']})")
   if plot and record['rows']:
-    _plot(path + '.png', record['rows'])
+    _plot(os.path.join(output_dir, name) + '.png', record['rows'])
 
 
 def _plot(path: str, rows):

@@ -157,7 +157,30 @@ def _speculative_fields(output, row: int) -> dict:
           'gamma': int(np.shape(stats.accepted_per_position)[0]),
           'batch_overlap_sum': float(stats.overlap_sum),
           'batch_verified_positions': int(stats.verified_positions),
-          'batch_accepted_per_position': np.asarray(stats.accepted_per_position).tolist()}
+          'batch_accepted_per_position': np.asarray(stats.accepted_per_position).tolist(),
+          **_stage_fields(output.drafter_stats)}
+
+
+def _stage_fields(drafter_stats) -> dict:
+  """A staged drafter's per-stage counts for the batch (StageStats.summary), if any."""
+  if not hasattr(drafter_stats, 'summary'):
+    return {}
+  return {'batch_stages': drafter_stats.summary()}
+
+
+def stage_totals(batches) -> list[dict]:
+  """Each stage's counts summed over batch records with 'batch_stages', outermost stage
+  first, with the acceptance of its proposals (accepted / proposed)."""
+  totals = []
+  for batch in batches:
+    for depth, stage in enumerate(batch.get('batch_stages', ())):
+      if depth == len(totals):
+        totals.append(dict.fromkeys(('rounds', 'drafter_steps', 'proposed', 'accepted'), 0))
+      for key in totals[depth]:
+        totals[depth][key] += stage[key]
+  for stage in totals:
+    stage['acceptance'] = stage['accepted'] / max(stage['proposed'], 1)
+  return totals
 
 
 def _beam_fields(output, row: int) -> dict:
@@ -381,6 +404,10 @@ def summarize(task, metric, draft_name, sampling, spec, writers, indices, beam=N
                         if verified else None)  # None: no drafts verified (gamma 0)
     summary['tokens_per_target_call'] = (sum(len(r['tokens']) for r in records)
                                          / max(sum(r['target_calls'] for r in records), 1))
+    stages = stage_totals(batches.values())
+    if stages:  # a staged drafter: each stage's calls and acceptance
+      summary['stages'] = stages
+      summary['stage_acceptance'] = ' / '.join(f"{s['acceptance']:.3f}" for s in stages)
     if spec.gamma == AUTO:  # how many batches ran each gamma (0: the baseline)
       chosen = [b.get('gamma') for b in batches.values()]
       summary['gamma_choices'] = ' '.join(

@@ -8,8 +8,10 @@ from jaxspec.decoding.drafters.ngram import (BigramDrafter, UnigramDrafter, fit_
 from jaxspec.decoding.drafters.prompt_lookup import PromptLookupDrafter
 from jaxspec.decoding.drafters.shared_encoder import (SharedEncoderDrafter,
                                                       SharedEncoderDrafterWithTarget)
+from jaxspec.decoding.drafters.staged import StagedDrafter, StageStats
 from jaxspec.decoding.drafters.t5 import T5Drafter
 
 __all__ = ['BigramDrafter', 'DraftContext', 'DraftSources', 'Drafter', 'Int8Drafter',
            'PromptLookupDrafter', 'SharedEncoderDrafter', 'SharedEncoderDrafterWithTarget',
-           'T5Drafter', 'UnigramDrafter', 'draw_tokens', 'fit_bigram', 'fit_unigram']
+           'StageStats', 'StagedDrafter', 'T5Drafter', 'UnigramDrafter', 'draw_tokens',
+           'fit_bigram', 'fit_unigram']

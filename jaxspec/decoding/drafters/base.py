@@ -29,11 +29,15 @@ where they do better; the decoders call them unconditionally, never probing:
   load_params(sources)
       the params pytree from what a launcher has (DraftSources): a checkpoint, the
       target's params, token data to fit tables on. Default: no params, `()`.
+  stats(state)
+      what the drafter counted over a decode (SpeculativeOutput.drafter_stats).
+      Default: None.
 
 Implementations (all importable from `jaxspec.decoding.drafters` and `jaxspec`):
 T5Drafter (t5.py); SharedEncoderDrafter and its stand-alone wrapper (shared_encoder.py);
 Int8Drafter (int8.py); UnigramDrafter, BigramDrafter with fit_unigram and fit_bigram
-(ngram.py); PromptLookupDrafter (prompt_lookup.py).
+(ngram.py); PromptLookupDrafter (prompt_lookup.py); StagedDrafter (staged.py), a
+cached-decoder drafter itself decoded speculatively with a cheaper proposer.
 
 Positions: the decoder input sequence is x_0 = 0 (start), x_j = tokens[j-1]. With
 `length` committed tokens the next token to predict is tokens[length], from the
@@ -196,6 +200,12 @@ class Drafter(abc.ABC):
     """The params pytree `propose` takes, from what a launcher has. Default: none."""
     del sources
     return ()
+
+  def stats(self, state):
+    """What the drafter counted over a decode, from its final state (a pytree, e.g. a
+    StagedDrafter's StageStats), or None. Default: None."""
+    del state
+    return None
 
 
 def draft_confidence(logits, probs, sampling: SamplingConfig):

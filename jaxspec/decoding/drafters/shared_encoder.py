@@ -93,7 +93,7 @@ class SharedEncoderDrafter(CachedDecoderDrafter):
     return sources.replicated(self.decoding_params(shared_encoder_checkpoints.load(
         checkpoint, self.config, self.encoder_dim, dtype=self.config.param_dtype)))
 
-  def _decoder(self, params):
+  def decoder(self, params):
     """decode(tokens [b, k], cache) -> (logits [b, k, v], cache) of the draft decoder."""
     model = self.model()
     return lambda tokens, cache: model.apply(params, tokens, cache,

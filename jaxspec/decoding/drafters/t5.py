@@ -19,23 +19,23 @@ from jaxspec.decoding.verification.coupled import coupled_tokens
 
 class CachedDecoderDrafter(Drafter):
   """The proposal routes of a drafter that decodes with a cached decoder: subclasses
-  define `_decoder(params)` -> decode(tokens [b, k], cache) -> (logits [b, k, v], cache)
+  define `decoder(params)` -> decode(tokens [b, k], cache) -> (logits [b, k, v], cache)
   and keep their DecoderCache as the drafter state."""
 
   proposes_top_branches = True
 
-  def _decoder(self, params):
+  def decoder(self, params):
     raise NotImplementedError
 
   def propose(self, params, state, context: DraftContext, gamma: int,
               sampling: SamplingConfig, keys):
-    return propose_from_decoder(self._decoder(params), state, context, gamma, sampling, keys)
+    return propose_from_decoder(self.decoder(params), state, context, gamma, sampling, keys)
 
   def propose_with_confidence(self, params, state, context: DraftContext, gamma: int,
                               sampling: SamplingConfig, keys, stop_below: float):
     """propose, plus the confidence of each draft; the draft steps stop once every row
     has drafted a token whose confidence is below stop_below (adaptive gamma)."""
-    return propose_until_unsure(self._decoder(params), state, context, gamma, sampling, keys,
+    return propose_until_unsure(self.decoder(params), state, context, gamma, sampling, keys,
                                 stop_below)
 
   def propose_coupled(self, params, state, context: DraftContext, gamma: int,
@@ -43,13 +43,13 @@ class CachedDecoderDrafter(Drafter):
     """propose, each draft drawn with its position's Gumbel noise (coupled
     verification): -> tokens [b, gamma], noise [b, gamma, v], state. keys unused."""
     del keys
-    return propose_coupled_from_decoder(self._decoder(params), state, context, gamma,
+    return propose_coupled_from_decoder(self.decoder(params), state, context, gamma,
                                         sampling, position_keys)
 
   def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
                            num_branches: int):
     """A greedy token tree for multi-draft verification (propose_top_branches_from_decoder)."""
-    return propose_top_branches_from_decoder(self._decoder(params), state, context, gamma,
+    return propose_top_branches_from_decoder(self.decoder(params), state, context, gamma,
                                              num_branches)
 
 
@@ -73,7 +73,7 @@ class T5Drafter(CachedDecoderDrafter):
     encoded = model.apply(params, encoder_tokens, method=T5.encode)
     return model.apply(params, encoded, encoder_tokens, max_length, method=T5.init_cache)
 
-  def _decoder(self, params):
+  def decoder(self, params):
     """decode(tokens [b, k], cache) -> (logits [b, k, v], cache) of this draft model."""
     model = T5(self.config, role=DRAFT)
     return lambda tokens, cache: model.apply(params, tokens, cache, method=T5.decode)
