@@ -136,6 +136,46 @@ def test_infer_writes_records_and_summary(tiny_checkpoints):
   assert json.loads((tmp_path / 'out' / 'summary.json').read_text())['examples'] == 5
 
 
+def test_infer_reports_each_stage_of_a_staged_drafter(tiny_checkpoints):
+  """The int8 draft of the tiny target staged on the tiny T5 draft (its checkpoint as
+  the proposer's): outputs the baseline's, each batch's stage counts in the records and
+  their totals in the summary."""
+  tmp_path = tiny_checkpoints
+  config = _infer_config(tmp_path).replace(
+      "infer.drafter = @jaxspec.T5Drafter()", "infer.drafter = @jaxspec.StagedDrafter()")
+  config = config.replace(f"infer.draft_checkpoint = '{tmp_path}/draft'\n", '')
+  config += f"""
+jaxspec.StagedDrafter.drafter = @jaxspec.Int8Drafter()
+jaxspec.Int8Drafter.config = @tiny_target/jaxspec.T5Config()
+jaxspec.StagedDrafter.proposer = @jaxspec.T5Drafter()
+jaxspec.StagedDrafter.lookahead = 2
+jaxspec.StagedDrafter.proposer_checkpoint = '{tmp_path}/draft'
+"""
+  _parse(tmp_path, config)
+  summary = infer_script.infer()
+  assert summary['identical_outputs'] == 5
+  records = _records(tmp_path / 'out' / 'speculative.jsonl')
+  batches = {r['batch_start']: r['batch_stages'] for r in records}
+  assert len(batches) == 3 and all(len(stages) == 1 for stages in batches.values())
+  totals = summary['stages'][0]
+  for key in ('rounds', 'drafter_steps', 'proposed', 'accepted'):
+    assert totals[key] == sum(stages[0][key] for stages in batches.values())
+  assert totals['rounds'] > 0 and 0 <= totals['accepted'] <= totals['proposed']
+  assert summary['stage_acceptance'] == f"{totals['accepted'] / totals['proposed']:.3f}"
+
+
+def test_stage_totals_sum_each_depth():
+  batches = [{'batch_stages': [dict(rounds=2, drafter_steps=4, proposed=6, accepted=3),
+                               dict(rounds=5, drafter_steps=7, proposed=4, accepted=4)]},
+             {'batch_stages': [dict(rounds=1, drafter_steps=2, proposed=2, accepted=0),
+                               dict(rounds=0, drafter_steps=1, proposed=0, accepted=0)]},
+             {}]
+  totals = infer_script.stage_totals(batches)
+  assert totals == [dict(rounds=3, drafter_steps=6, proposed=8, accepted=3, acceptance=3 / 8),
+                    dict(rounds=5, drafter_steps=8, proposed=4, accepted=4, acceptance=1.0)]
+  assert infer_script.stage_totals([{}]) == []
+
+
 def test_infer_resumes_without_redoing_or_losing_records(tiny_checkpoints):
   tmp_path = tiny_checkpoints
   _parse(tmp_path, _infer_config(tmp_path))

@@ -53,7 +53,8 @@ from jaxspec.config import EOS_ID, T5Config
 from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.beam_search import BeamConfig, generate_beam
-from jaxspec.decoding.drafters import DraftSources, SharedEncoderDrafter, T5Drafter
+from jaxspec.decoding.drafters import (DraftSources, SharedEncoderDrafter, StagedDrafter,
+                                       StageStats, T5Drafter)
 from jaxspec.decoding import auto_gamma
 from jaxspec.decoding.speculative import (AUTO, SpeculativeConfig, check_compatible,
                                           speculative_generate)
@@ -163,7 +164,7 @@ def _speculative_fields(output, row: int) -> dict:
 
 def _stage_fields(drafter_stats) -> dict:
   """A staged drafter's per-stage counts for the batch (StageStats.summary), if any."""
-  if not hasattr(drafter_stats, 'summary'):
+  if not isinstance(drafter_stats, StageStats):
     return {}
   return {'batch_stages': drafter_stats.summary()}
 
@@ -625,7 +626,9 @@ def run_settings(*, target_model, target_checkpoint, drafter, draft_checkpoint, 
          else {}),
       **({'beam': beam, 'speculative_beam': speculative_beam}
          if set(decoders) & set(BEAM_DECODERS) else {}),
-      **({'auto_gammas': tuple(auto_gammas)} if auto_gammas else {})})
+      **({'auto_gammas': tuple(auto_gammas)} if auto_gammas else {}),
+      **({'proposer_checkpoint': inference.checkpoint_identity(drafter.proposer_checkpoint)}
+         if isinstance(drafter, StagedDrafter) and drafter.proposer_checkpoint else {})})
 
 
 def claim_output_dir(output_dir, settings, on_settings_change, partitioner):
