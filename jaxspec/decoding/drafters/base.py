@@ -29,6 +29,9 @@ where they do better; the decoders call them unconditionally, never probing:
   load_params(sources)
       the params pytree from what a launcher has (DraftSources): a checkpoint, the
       target's params, token data to fit tables on. Default: no params, `()`.
+  catch_up(params, state, context, window)
+      the state once the last `window` inputs are read (a proposer inside a
+      StagedDrafter). Default: the state unchanged; cached decoders decode them.
   stats(state)
       what the drafter counted over a decode (SpeculativeOutput.drafter_stats).
       Default: None.
@@ -200,6 +203,15 @@ class Drafter(abc.ABC):
     """The params pytree `propose` takes, from what a launcher has. Default: none."""
     del sources
     return ()
+
+  def catch_up(self, params, state, context: DraftContext, window: int):
+    """The state once the drafter has read the inputs x_{length-window}..x_{length-1}
+    of `context` (those before 0 skipped), so that its next proposal reads no input it
+    has not seen. A drafter proposing inside a StagedDrafter sees only some of the drafts
+    the target then accepts; the staged drafter calls this before each proposal.
+    Default: the state unchanged (drafters that read the context's tokens directly)."""
+    del params, context, window
+    return state
 
   def stats(self, state):
     """What the drafter counted over a decode, from its final state (a pytree, e.g. a

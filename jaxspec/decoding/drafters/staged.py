@@ -26,7 +26,9 @@ stays exact and its acceptance is the middle drafter's:
       The proposer draws with the same positions' noise (propose_coupled).
 
 Rounds run in a while loop until every row has gamma drafts (or drafted EOS); a
-round's drafts past gamma are dropped. The middle drafter's cache holds lookahead more
+round's drafts past gamma are dropped. A proposer's cache has read only the drafts it
+proposed or was handed as context, not all those the target then accepts: each proposal
+starts by catching it up (Drafter.catch_up: one step over the last gamma + 1 inputs). The middle drafter's cache holds lookahead more
 positions than it would alone. Its first draft of a proposal comes from its usual first
 step (consume_last_inputs), so a proposal costs 1 + rounds drafter steps and rounds
 proposer calls, against gamma steps single-stage; StageStats counts them.
@@ -152,6 +154,12 @@ class StagedDrafter(Drafter):
   def stats(self, state: StagedState) -> StageStats:
     return state.stats
 
+  def catch_up(self, params, state: StagedState, context: DraftContext, window: int):
+    """Both stages caught up (this drafter proposing for an outer stage)."""
+    return state.replace(
+        drafter=self.drafter.catch_up(params['drafter'], state.drafter, context, window),
+        proposer=self.proposer.catch_up(params['proposer'], state.proposer, context, window))
+
   # ---- proposals ----
 
   def propose(self, params, state: StagedState, context: DraftContext, gamma: int,
@@ -174,6 +182,11 @@ class StagedDrafter(Drafter):
   def _propose(self, params, state: StagedState, context: DraftContext, gamma: int, rule):
     decode = self.drafter.decoder(params['drafter'])
     k = self.lookahead
+    # The proposer saw only some of the drafts the target has since accepted (and none
+    # of its token): it reads the gamma + 1 inputs before length first. The drafter read
+    # every draft but its last, as alone, which its first step reads.
+    proposer_state = self.proposer.catch_up(params['proposer'], state.proposer, context,
+                                            gamma + 1)
     width = gamma + k + 1  # room for a last round's overshoot
     batch = context.length.shape[0]
     start = context.length  # [b] the position of draft 1 in the output
@@ -229,7 +242,7 @@ class StagedDrafter(Drafter):
               index + 1)
 
     stats = state.stats.replace(drafter_steps=state.stats.drafter_steps + 1)
-    carry = (count, stopped, drafts, records, tokens, cache, state.proposer, stats,
+    carry = (count, stopped, drafts, records, tokens, cache, proposer_state, stats,
              jnp.int32(0))
     count, _, drafts, records, _, cache, proposer_state, stats, _ = jax.lax.while_loop(
         drafting, round_, carry)

@@ -46,6 +46,11 @@ class CachedDecoderDrafter(Drafter):
     return propose_coupled_from_decoder(self.decoder(params), state, context, gamma,
                                         sampling, position_keys)
 
+  def catch_up(self, params, state: DecoderCache, context: DraftContext, window: int):
+    """The cache with x_{length-window}..x_{length-1} decoded in one step
+    (catch_up_inputs)."""
+    return catch_up_inputs(self.decoder(params), state, context, window)
+
   def propose_top_branches(self, params, state, context: DraftContext, gamma: int,
                            num_branches: int):
     """A greedy token tree for multi-draft verification (propose_top_branches_from_decoder)."""
@@ -100,6 +105,18 @@ def consume_last_inputs(decode, cache: DecoderCache, context: DraftContext):
   logits, cache = decode(context.last_two_inputs(), rollback(cache, start))  # [b, 2, v]
   last_logits = jnp.where((context.length > 0)[:, None], logits[:, 1], logits[:, 0])
   return last_logits, rollback(cache, context.length + 1)
+
+
+def catch_up_inputs(decode, cache: DecoderCache, context: DraftContext, window: int):
+  """The cache after one step over `window` decoder inputs from x_s, s = max(length -
+  window, 0): every slot before length then holds its committed input. Inputs past
+  x_length (a window running past it near the start) are written at slots the next
+  proposal rewrites before reading (consume_last_inputs)."""
+  start = jnp.maximum(context.length - window, 0)  # [b]
+  padded = jnp.pad(context.tokens, ((0, 0), (1, 0)))  # [b, 1 + L]; padded[:, j] = x_j
+  positions = jnp.minimum(start[:, None] + jnp.arange(window)[None, :], padded.shape[1] - 1)
+  _, cache = decode(jnp.take_along_axis(padded, positions, axis=1), rollback(cache, start))
+  return rollback(cache, context.length)
 
 
 def propose_until_unsure(decode, cache: DecoderCache, context: DraftContext, gamma: int,
