@@ -382,3 +382,35 @@ def test_a_decode_step_projects_q_k_v_and_the_mlp_inputs_in_one_call_each(monkey
       patch.setattr(layers, 'project_together', one_call_each)
       separate = np.asarray(decode(decode_params))
     np.testing.assert_array_equal(joint, separate)
+
+
+@needs_kernel
+@pytest.mark.parametrize('active', [[True, False, True], [False, False, False],
+                                    [False, True, True]])
+def test_inactive_rows_are_skipped_and_active_rows_unchanged(active):
+  """Inside active_rows, each kernel product (float32 and int8, one matrix or several)
+  gives the rows of inactive batch rows zeros and the others exactly what a product of
+  every row gives; rows not led by that batch axis are all computed."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((3, 4, 96)).astype(np.float32))  # [b, t, in]
+  w_ts = [jnp.asarray(rng.standard_normal((out, 96)).astype(np.float32)) for out in (40, 72)]
+  w_q = jnp.asarray(rng.integers(-127, 128, (56, 96)), jnp.int8)
+  scale = jnp.asarray(rng.random(56).astype(np.float32) + 0.5)
+
+  def products(x):
+    return (cpu_matmul.few_row_matmul(x, w_ts[0]), *cpu_matmul.few_row_matmuls(x, w_ts),
+            cpu_matmul.few_row_matmul_int8(x, w_q, scale),
+            *cpu_matmul.few_row_matmuls_int8(x, [(w_q, scale), (w_q, scale)]))
+
+  def masked(x, mask):
+    with cpu_matmul.active_rows(mask):
+      return products(x), products(x[0])  # x[0]: rows [t, in], not led by the batch axis
+
+  everything = jax.jit(products)(x)
+  (skipping, unbatched) = jax.jit(masked)(x, jnp.asarray(active))
+  for full, got in zip(everything, skipping):
+    np.testing.assert_array_equal(np.asarray(got)[np.asarray(active)],
+                                  np.asarray(full)[np.asarray(active)])
+    assert not np.any(np.asarray(got)[~np.asarray(active)])
+  for full, got in zip(everything, unbatched):
+    np.testing.assert_array_equal(got, np.asarray(full)[0])

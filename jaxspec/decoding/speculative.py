@@ -42,6 +42,7 @@ from jaxspec.decoding import common
 from jaxspec.decoding.verification import tree as multi_draft
 from jaxspec.decoding.drafters.base import DraftContext, Drafter, drafts_through_first
 from jaxspec.model import T5, DecoderCache, rollback
+from jaxspec.model.cpu import matmul as cpu_matmul
 from jaxspec.sampling import (SamplingConfig, gather_probs, nonfinite_logits, position_noise,
                               standardize, token_log_probs)
 from jaxspec.decoding.verification.coupled import coupled_tokens, coupled_verdict
@@ -298,6 +299,17 @@ def _iteration_keys(state: _LoopState):
 def _iteration(state: _LoopState, target_params, drafter_params, encoder_tokens, *,
                target_config: T5Config, drafter: Drafter, spec: SpeculativeConfig,
                sampling: SamplingConfig, eos_id: int) -> _LoopState:
+  """One iteration; the rows that have ended cost no kernel products (their results are
+  never used; cpu_matmul.active_rows)."""
+  with cpu_matmul.active_rows(~state.done):
+    return _iteration_of_rule(
+        state, target_params, drafter_params, encoder_tokens, target_config=target_config,
+        drafter=drafter, spec=spec, sampling=sampling, eos_id=eos_id)
+
+
+def _iteration_of_rule(state: _LoopState, target_params, drafter_params, encoder_tokens, *,
+                       target_config: T5Config, drafter: Drafter, spec: SpeculativeConfig,
+                       sampling: SamplingConfig, eos_id: int) -> _LoopState:
   if multi_draft.uses_tree(drafter, spec.num_drafts, sampling):
     return _multi_draft_iteration(
         state, target_params, drafter_params, encoder_tokens, target_config=target_config,

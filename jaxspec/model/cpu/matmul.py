@@ -21,6 +21,7 @@ XLA's.
                                      handler where it applies, else XLA
   matmuls_int8(x, pairs, kernel)     matmul_int8 against 2 or 3 (w_q, scale) pairs in ONE
                                      call (the rows quantized once)
+  active_rows(active)                within it, products skip the rows of finished batch rows
   kernel_available()                 builds (once) and registers the kernel; False if not
   kernel_status(cpu_matmul)          'kernel (avx512)' or 'XLA (why)': what steps use here
 
@@ -44,6 +45,8 @@ through XLA (same results up to rounding, slower verify steps).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -232,24 +235,55 @@ def applies(x, w_t) -> bool:
           and x.ndim >= 1 and x.shape[-1] == w_t.shape[1] and 1 <= rows <= MAX_ROWS)
 
 
-def _ffi_matmul(x, w_t):
-  return jax.ffi.ffi_call(TARGET_NAME,
-                          jax.ShapeDtypeStruct(x.shape[:-1] + (w_t.shape[0],), jnp.float32),
-                          vmap_method='sequential')(x, w_t)
+# Rows that need no product: inside `active_rows(active)` the kernel computes only the
+# rows of x [b, ..., in] whose batch row is active (active [b] bool), as in a product of
+# all rows, and gives the others zeros. Speculative decoding of a batch sets it to the
+# rows still decoding: once a step's products are compute-bound (several rows, each over
+# the verify step's positions) a finished row then costs nothing.
+_ACTIVE_ROWS = contextvars.ContextVar('jaxspec_active_rows', default=None)
+
+
+@contextlib.contextmanager
+def active_rows(active):
+  """Within the block, kernel products skip the rows of inactive batch rows (active [b]
+  bool; their outputs are zeros). Products whose rows do not lead with that batch axis
+  compute every row."""
+  token = _ACTIVE_ROWS.set(active)
+  try:
+    yield
+  finally:
+    _ACTIVE_ROWS.reset(token)
+
+
+def row_flags(x):
+  """int32 [rows]: which rows of x [..., in] the kernel computes (active_rows)."""
+  rows_shape = x.shape[:-1]
+  rows = int(np.prod(rows_shape, dtype=np.int64))
+  active = _ACTIVE_ROWS.get()
+  if active is None or not rows_shape or tuple(active.shape) != rows_shape[:1]:
+    return jnp.ones((rows,), jnp.int32)
+  active = active.reshape(active.shape + (1,) * (len(rows_shape) - 1))
+  return jnp.broadcast_to(active, rows_shape).reshape(rows).astype(jnp.int32)
 
 
 @jax.custom_jvp
+def _kernel_matmul(x, w_t, active):
+  return jax.ffi.ffi_call(TARGET_NAME,
+                          jax.ShapeDtypeStruct(x.shape[:-1] + (w_t.shape[0],), jnp.float32),
+                          vmap_method='sequential')(x, w_t, active)
+
+
+@_kernel_matmul.defjvp
+def _kernel_matmul_jvp(primals, tangents):
+  x, w_t, active = primals
+  dx, dw_t, _ = tangents
+  return (_kernel_matmul(x, w_t, active),
+          xla_matmul_transposed(dx, w_t) + xla_matmul_transposed(x, dw_t))
+
+
 def few_row_matmul(x, w_t):
   """x [..., in] @ w_t [out, in]^T -> [..., out] through the kernel (applies(x, w_t))."""
-  return _ffi_matmul(x, w_t)
-
-
-@few_row_matmul.defjvp
-def _few_row_matmul_jvp(primals, tangents):
-  x, w_t = primals
-  dx, dw_t = tangents
-  return (few_row_matmul(x, w_t),
-          xla_matmul_transposed(dx, w_t) + xla_matmul_transposed(x, dw_t))
+  return _kernel_matmul(x, w_t, row_flags(x))
 
 
 def use_kernel(cpu_matmul: str) -> bool:
@@ -293,7 +327,7 @@ def few_row_matmul_int8(x, w_q, scale):
   """(x [..., in] @ w_q [out, in]^T) * scale [out] through the kernel (applies_int8)."""
   return jax.ffi.ffi_call(INT8_TARGET_NAME,
                           jax.ShapeDtypeStruct(x.shape[:-1] + (w_q.shape[0],), jnp.float32),
-                          vmap_method='sequential')(x, w_q, scale)
+                          vmap_method='sequential')(x, w_q, scale, row_flags(x))
 
 
 def matmul_int8(x, w_q, scale, cpu_matmul: str = KERNEL):
@@ -321,21 +355,25 @@ def _many_shapes(x, outs):
 
 
 @jax.custom_jvp
+def _kernel_matmuls(x, w_ts, active):
+  return tuple(jax.ffi.ffi_call(MANY_TARGET_NAMES[len(w_ts)],
+                                _many_shapes(x, [w.shape[0] for w in w_ts]),
+                                vmap_method='sequential')(x, *w_ts, active))
+
+
+@_kernel_matmuls.defjvp
+def _kernel_matmuls_jvp(primals, tangents):
+  x, w_ts, active = primals
+  dx, dw_ts, _ = tangents
+  return (_kernel_matmuls(x, w_ts, active),
+          tuple(xla_matmul_transposed(dx, w) + xla_matmul_transposed(x, dw)
+                for w, dw in zip(w_ts, dw_ts)))
+
+
 def few_row_matmuls(x, w_ts):
   """(x @ w_t^T for w_t in w_ts) through one kernel call: 2 or 3 float32 matrices
   [out_k, in] that each satisfy applies(x, w_t)."""
-  return tuple(jax.ffi.ffi_call(MANY_TARGET_NAMES[len(w_ts)],
-                                _many_shapes(x, [w.shape[0] for w in w_ts]),
-                                vmap_method='sequential')(x, *w_ts))
-
-
-@few_row_matmuls.defjvp
-def _few_row_matmuls_jvp(primals, tangents):
-  x, w_ts = primals
-  dx, dw_ts = tangents
-  return (few_row_matmuls(x, w_ts),
-          tuple(xla_matmul_transposed(dx, w) + xla_matmul_transposed(x, dw)
-                for w, dw in zip(w_ts, dw_ts)))
+  return _kernel_matmuls(x, tuple(w_ts), row_flags(x))
 
 
 def matmuls_transposed(x, w_ts, cpu_matmul: str = KERNEL):
@@ -353,7 +391,7 @@ def few_row_matmuls_int8(x, pairs):
   operands = [operand for pair in pairs for operand in pair]
   return tuple(jax.ffi.ffi_call(MANY_INT8_TARGET_NAMES[len(pairs)],
                                 _many_shapes(x, [w_q.shape[0] for w_q, _ in pairs]),
-                                vmap_method='sequential')(x, *operands))
+                                vmap_method='sequential')(x, *operands, row_flags(x)))
 
 
 def matmuls_int8(x, pairs, cpu_matmul: str = KERNEL):

@@ -583,9 +583,65 @@ ffi::Error ManyRowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
   return ffi::Error::Success();
 }
 
+// ---- Rows that need no product ----
+// Every handler takes `active` (int32 [rows], nonzero: compute the row): a decode step of a
+// batch whose rows have ended computes only the rows still decoding, their outputs
+// exactly as in a product of all rows (a row's result depends on its own values alone),
+// the others' zeros. Once the products are compute-bound (several rows, each over the
+// step's positions) a finished row then costs nothing.
+struct ActiveRows {
+  int64_t count = 0;
+  int64_t index[kMaxRows] = {};  // computed row i is row index[i] of x and y
+};
+
+// Whether every row is active; else the active ones in `active_rows`.
+bool AllActive(const int32_t* active, int64_t rows, ActiveRows* active_rows) {
+  active_rows->count = 0;
+  for (int64_t n = 0; n < rows; ++n)
+    if (active[n] != 0) active_rows->index[active_rows->count++] = n;
+  return active_rows->count == rows;
+}
+
+// compute(x rows [count, in], count, y[k] [count, out[k]]) on the active rows of xp,
+// gathered, its outputs scattered into y (zeros in the other rows).
+template <int N, typename Compute>
+void OnActiveRows(const ActiveRows& active_rows, const float* xp, int64_t rows, int64_t in,
+                  const int64_t (&out)[N], float* const (&y)[N], const Compute& compute) {
+  thread_local std::vector<float> x_rows, y_rows[N];
+  const int64_t count = active_rows.count;
+  x_rows.resize(count * in);
+  for (int64_t i = 0; i < count; ++i)
+    std::memcpy(&x_rows[i * in], xp + active_rows.index[i] * in, in * sizeof(float));
+  float* y_ptrs[N];
+  for (int k = 0; k < N; ++k) {
+    y_rows[k].resize(count * out[k]);
+    y_ptrs[k] = y_rows[k].data();
+  }
+  if (count > 0) compute(x_rows.data(), count, y_ptrs);
+  for (int k = 0; k < N; ++k) {
+    std::fill(y[k], y[k] + rows * out[k], 0.0f);
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(y[k] + active_rows.index[i] * out[k], &y_rows[k][i * out[k]],
+                  out[k] * sizeof(float));
+  }
+}
+
+template <int N>
+void ComputeMatmuls(ffi::ThreadPool& pool, const float* xp, int64_t rows, int64_t in,
+                    const float* const (&w)[N], const int64_t (&out)[N], float* const (&y)[N]) {
+  int64_t total = 0;
+  for (int k = 0; k < N; ++k) total += out[k];
+  SplitOutputs(pool, total, [&](int64_t begin, int64_t end) {
+    OverMatrices<N>(out, begin, end, [&](int k, int64_t first, int64_t last) {
+      Outputs(xp, w[k], y[k], rows, in, out[k], first, last);
+    });
+  });
+}
+
 template <int N>
 ffi::Error ManyMatmuls(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
                        const ffi::Buffer<ffi::F32>* const (&w)[N],
+                       const ffi::Buffer<ffi::S32>& active,
                        ffi::ResultBuffer<ffi::F32>* const (&y)[N]) {
   ffi::Span<const int64_t> w_dims[N];
   for (int k = 0; k < N; ++k) w_dims[k] = w[k]->dimensions();
@@ -593,26 +649,54 @@ ffi::Error ManyMatmuls(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
   if (ffi::Error error = ManyRowsOf<N>(x.dimensions(), x.element_count(), w_dims, out, &rows);
       error.failure())
     return error;
+  if (active.element_count() != rows)
+    return ffi::Error::InvalidArgument("active must hold one flag per row of x");
   const int64_t in = w_dims[0][1];
-  const float* xp = x.typed_data();
-  int64_t total = 0;
+  float* y_ptrs[N];
+  const float* w_ptrs[N];
   for (int k = 0; k < N; ++k) {
-    if (in == 0) std::fill((*y[k])->typed_data(), (*y[k])->typed_data() + rows * out[k], 0.0f);
-    total += out[k];
+    y_ptrs[k] = (*y[k])->typed_data();
+    w_ptrs[k] = w[k]->typed_data();
+    if (in == 0) std::fill(y_ptrs[k], y_ptrs[k] + rows * out[k], 0.0f);
   }
   if (in == 0) return ffi::Error::Success();
+  ActiveRows active_rows;
+  if (AllActive(active.typed_data(), rows, &active_rows)) {
+    ComputeMatmuls<N>(pool, x.typed_data(), rows, in, w_ptrs, out, y_ptrs);
+  } else {
+    OnActiveRows<N>(active_rows, x.typed_data(), rows, in, out, y_ptrs,
+                    [&](const float* xp, int64_t count, float* const (&yp)[N]) {
+                      ComputeMatmuls<N>(pool, xp, count, in, w_ptrs, out, yp);
+                    });
+  }
+  return ffi::Error::Success();
+}
+
+template <int N>
+void ComputeMatmulsInt8(ffi::ThreadPool& pool, const float* xp, int64_t rows, int64_t in,
+                        const int8_t* const (&w)[N], const float* const (&scale)[N],
+                        const int64_t (&out)[N], float* const (&y)[N]) {
+  // The calling thread's buffers, reused: every part that reads them finishes before
+  // this call returns (a pool task that starts later claims no part and reads nothing).
+  // The helpers reach them through this pointer (a thread_local named inside the lambda
+  // would be each helper's own).
+  thread_local QuantizedRows quantized;
+  const QuantizedRows* xq = &quantized;
+  QuantizeRows(xp, rows, in, &quantized);
+  int64_t total = 0;
+  for (int k = 0; k < N; ++k) total += out[k];
   SplitOutputs(pool, total, [&](int64_t begin, int64_t end) {
     OverMatrices<N>(out, begin, end, [&](int k, int64_t first, int64_t last) {
-      Outputs(xp, w[k]->typed_data(), (*y[k])->typed_data(), rows, in, out[k], first, last);
+      Int8Outputs(*xq, w[k], scale[k], y[k], rows, in, out[k], first, last);
     });
   });
-  return ffi::Error::Success();
 }
 
 template <int N>
 ffi::Error ManyMatmulsInt8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
                            const ffi::Buffer<ffi::S8>* const (&w)[N],
                            const ffi::Buffer<ffi::F32>* const (&scale)[N],
+                           const ffi::Buffer<ffi::S32>& active,
                            ffi::ResultBuffer<ffi::F32>* const (&y)[N]) {
   ffi::Span<const int64_t> w_dims[N];
   for (int k = 0; k < N; ++k) w_dims[k] = w[k]->dimensions();
@@ -620,69 +704,76 @@ ffi::Error ManyMatmulsInt8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x
   if (ffi::Error error = ManyRowsOf<N>(x.dimensions(), x.element_count(), w_dims, out, &rows);
       error.failure())
     return error;
+  if (active.element_count() != rows)
+    return ffi::Error::InvalidArgument("active must hold one flag per row of x");
   const int64_t in = w_dims[0][1];
-  int64_t total = 0;
+  float* y_ptrs[N];
+  const int8_t* w_ptrs[N];
+  const float* scale_ptrs[N];
   for (int k = 0; k < N; ++k) {
     if (scale[k]->element_count() != out[k])
       return ffi::Error::InvalidArgument("scale must be [out] for w [out, in]");
-    if (in == 0) std::fill((*y[k])->typed_data(), (*y[k])->typed_data() + rows * out[k], 0.0f);
-    total += out[k];
+    y_ptrs[k] = (*y[k])->typed_data();
+    w_ptrs[k] = w[k]->typed_data();
+    scale_ptrs[k] = scale[k]->typed_data();
+    if (in == 0) std::fill(y_ptrs[k], y_ptrs[k] + rows * out[k], 0.0f);
   }
   if (in == 0) return ffi::Error::Success();
-  // The calling thread's buffers, reused: every part that reads them finishes before
-  // this call returns (a pool task that starts later claims no part and reads nothing).
-  // The helpers reach them through this pointer (a thread_local named inside the lambda
-  // would be each helper's own).
-  thread_local QuantizedRows quantized;
-  const QuantizedRows* xq = &quantized;
-  QuantizeRows(x.typed_data(), rows, in, &quantized);
-  SplitOutputs(pool, total, [&](int64_t begin, int64_t end) {
-    OverMatrices<N>(out, begin, end, [&](int k, int64_t first, int64_t last) {
-      Int8Outputs(*xq, w[k]->typed_data(), scale[k]->typed_data(),
-                  (*y[k])->typed_data(), rows, in, out[k], first, last);
-    });
-  });
+  ActiveRows active_rows;
+  if (AllActive(active.typed_data(), rows, &active_rows)) {
+    ComputeMatmulsInt8<N>(pool, x.typed_data(), rows, in, w_ptrs, scale_ptrs, out, y_ptrs);
+  } else {
+    OnActiveRows<N>(active_rows, x.typed_data(), rows, in, out, y_ptrs,
+                    [&](const float* xp, int64_t count, float* const (&yp)[N]) {
+                      ComputeMatmulsInt8<N>(pool, xp, count, in, w_ptrs, scale_ptrs, out, yp);
+                    });
+  }
   return ffi::Error::Success();
 }
 
 ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                        ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  return ManyMatmuls<1>(pool, x, {&w}, {&y});
+                        ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> active,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  return ManyMatmuls<1>(pool, x, {&w}, active, {&y});
 }
 
 ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                            ffi::ResultBuffer<ffi::F32> y) {
-  return ManyMatmulsInt8<1>(pool, x, {&w}, {&scale}, {&y});
+                            ffi::Buffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> y) {
+  return ManyMatmulsInt8<1>(pool, x, {&w}, {&scale}, active, {&y});
 }
 
 ffi::Error FewRowMatmul2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::F32> w0, ffi::Buffer<ffi::F32> w1,
-                         ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1) {
-  return ManyMatmuls<2>(pool, x, {&w0, &w1}, {&y0, &y1});
+                         ffi::Buffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> y0,
+                         ffi::ResultBuffer<ffi::F32> y1) {
+  return ManyMatmuls<2>(pool, x, {&w0, &w1}, active, {&y0, &y1});
 }
 
 ffi::Error FewRowMatmul3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::F32> w0, ffi::Buffer<ffi::F32> w1,
-                         ffi::Buffer<ffi::F32> w2, ffi::ResultBuffer<ffi::F32> y0,
-                         ffi::ResultBuffer<ffi::F32> y1, ffi::ResultBuffer<ffi::F32> y2) {
-  return ManyMatmuls<3>(pool, x, {&w0, &w1, &w2}, {&y0, &y1, &y2});
+                         ffi::Buffer<ffi::F32> w2, ffi::Buffer<ffi::S32> active,
+                         ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1,
+                         ffi::ResultBuffer<ffi::F32> y2) {
+  return ManyMatmuls<3>(pool, x, {&w0, &w1, &w2}, active, {&y0, &y1, &y2});
 }
 
 ffi::Error FewRowMatmulInt8x2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::S8> w0, ffi::Buffer<ffi::F32> s0,
                               ffi::Buffer<ffi::S8> w1, ffi::Buffer<ffi::F32> s1,
-                              ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1) {
-  return ManyMatmulsInt8<2>(pool, x, {&w0, &w1}, {&s0, &s1}, {&y0, &y1});
+                              ffi::Buffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> y0,
+                              ffi::ResultBuffer<ffi::F32> y1) {
+  return ManyMatmulsInt8<2>(pool, x, {&w0, &w1}, {&s0, &s1}, active, {&y0, &y1});
 }
 
 ffi::Error FewRowMatmulInt8x3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::S8> w0, ffi::Buffer<ffi::F32> s0,
                               ffi::Buffer<ffi::S8> w1, ffi::Buffer<ffi::F32> s1,
                               ffi::Buffer<ffi::S8> w2, ffi::Buffer<ffi::F32> s2,
-                              ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1,
-                              ffi::ResultBuffer<ffi::F32> y2) {
-  return ManyMatmulsInt8<3>(pool, x, {&w0, &w1, &w2}, {&s0, &s1, &s2}, {&y0, &y1, &y2});
+                              ffi::Buffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> y0,
+                              ffi::ResultBuffer<ffi::F32> y1, ffi::ResultBuffer<ffi::F32> y2) {
+  return ManyMatmulsInt8<3>(pool, x, {&w0, &w1, &w2}, {&s0, &s1, &s2}, active,
+                            {&y0, &y1, &y2});
 }
 
 }  // namespace
@@ -692,6 +783,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmul, FewRowMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // active
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8, FewRowMatmulInt8,
@@ -700,6 +792,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8, FewRowMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // active
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmul2, FewRowMatmul2,
@@ -708,6 +801,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmul2, FewRowMatmul2,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // active
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -718,6 +812,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmul3, FewRowMatmul3,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // active
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -730,6 +825,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8x2, FewRowMatmulInt8x2,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // active
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -743,6 +839,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8x3, FewRowMatmulInt8x3,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // active
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
