@@ -42,6 +42,7 @@ from jaxspec import validation
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import common
 from jaxspec.model import T5, rollback
+from jaxspec.model.cpu import matmul as cpu_matmul
 from jaxspec.sampling import (MIN_TEMPERATURE, SamplingConfig, argmax, categorical,
                               nonfinite_logits, sample_logits, token_log_probs)
 
@@ -499,7 +500,8 @@ def _sample_loop(prompt, cache, tokens_to_logits, row_keys, row_limits,
     decoding_state = DecodingState(cur_index=jnp.full((batch,), step, jnp.int32),
                                    sequences=state.sequences[:, :-1], cur_token=cur_token,
                                    cache=state.cache)
-    logits, cache = tokens_to_logits(decoding_state)  # [b, v]
+    with cpu_matmul.active_rows(~state.ended):  # ended rows cost no kernel products
+      logits, cache = tokens_to_logits(decoding_state)  # [b, v]
     if logit_callback_fn is not None:
       logits = logit_callback_fn(logits, decoding_state)
     step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.row_keys, step)
