@@ -4,7 +4,10 @@ every measurement record (results/**/*.json)."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import pathlib
 import platform
 import re
 import subprocess
@@ -58,3 +61,15 @@ def git_commit(directory: str | None = None) -> str | None:
   except (OSError, subprocess.SubprocessError):
     return None
   return result.stdout.strip() or None
+
+
+@functools.cache
+def code_digest() -> str:
+  """A digest of jaxspec's own code (every .py, .cc and .h file of the package): what
+  measurements cached across runs (gamma='auto' calibrations) are keyed by, so a change of
+  the code, installed or checked out, measures anew."""
+  root = pathlib.Path(__file__).parent
+  digest = hashlib.sha256()
+  for path in sorted(p for p in root.rglob('*') if p.suffix in ('.py', '.cc', '.h')):
+    digest.update(str(path.relative_to(root)).encode() + b'\0' + path.read_bytes())
+  return digest.hexdigest()[:16]

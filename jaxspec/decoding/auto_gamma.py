@@ -191,9 +191,11 @@ def as_speculative_beam_output(output: BeamOutput) -> SpeculativeBeamOutput:
 
 
 def calibration_key(**parts) -> dict:
-  """A calibration's cache key: the machine (jaxspec.machine.description) and `parts`
-  (models, settings, lengths), as JSON values."""
-  return json.loads(json.dumps({'machine': machine.description(), **parts}, default=str))
+  """A calibration's cache key: the machine (jaxspec.machine.description), jaxspec's
+  code (machine.code_digest: new code measures anew) and `parts` (models, settings,
+  lengths), as JSON values."""
+  return json.loads(json.dumps({'machine': machine.description(),
+                                'code': machine.code_digest(), **parts}, default=str))
 
 
 class GammaCostCache:
