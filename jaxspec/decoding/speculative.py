@@ -362,11 +362,17 @@ def _verify(state: _LoopState, target_params, context: DraftContext, drafts, num
   verify_tokens = jnp.concatenate([context.last_input()[:, None], drafts], axis=1)
   target_cache = rollback(state.target_cache, state.length)
   full = verify_tokens.shape[1]
+  # The kernels compute the positions a decoding row proposed and the one after them;
+  # the rest (after a drafted EOS, or of ended rows) are never accepted or committed.
+  needed_positions = ~state.done[:, None] & (
+      True if num_drafts is None
+      else jnp.arange(full)[None, :] <= num_drafts[:, None])  # [b, g+1]
 
   def step(length):
     def run():
-      logits, cache = T5(target_config).apply(target_params, verify_tokens[:, :length],
-                                              target_cache, method=T5.decode)
+      with cpu_matmul.active_rows(needed_positions[:, :length]):
+        logits, cache = T5(target_config).apply(target_params, verify_tokens[:, :length],
+                                                target_cache, method=T5.decode)
       return jnp.pad(logits, ((0, 0), (0, full - length), (0, 0))), cache
     return run
 

@@ -49,6 +49,7 @@ from jaxspec.decoding.drafters.t5 import CachedDecoderDrafter, consume_last_inpu
 from jaxspec.decoding.verification.coupled import coupled_tokens
 from jaxspec.decoding.verification.token import matching_verdict, speculative_verdict
 from jaxspec.model import rollback
+from jaxspec.model.cpu import matmul as cpu_matmul
 from jaxspec.sampling import SamplingConfig, argmax, position_noise, sample_probs, standardize
 
 
@@ -213,15 +214,17 @@ class StagedDrafter(Drafter):
       active = ~stopped & (count < gamma)  # [b]
       inner = DraftContext(tokens=tokens, length=start + count,
                            encoder_tokens=context.encoder_tokens, eos_id=context.eos_id)
-      proposals, proposal_record, proposer_state = rule.propose(
-          proposer_state, inner, k, count, index)  # [b, k]
+      with cpu_matmul.active_rows(active):  # rows done drafting cost no products
+        proposals, proposal_record, proposer_state = rule.propose(
+            proposer_state, inner, k, count, index)  # [b, k]
       proposed = jnp.full((batch,), k, jnp.int32)
       if context.eos_id is not None:  # a proposer may leave the rest after its EOS undrafted
         proposed = drafts_through_first(proposals == context.eos_id)
       last = jnp.take_along_axis(drafts, (count - 1)[:, None], axis=1)  # [b, 1]
       # One step over d_n, p_1..p_k from d_n's slot: logits after each [b, k + 1, v].
-      logits, cache = decode(jnp.concatenate([last, proposals], axis=1),
-                             rollback(cache, start + count))
+      with cpu_matmul.active_rows(active):
+        logits, cache = decode(jnp.concatenate([last, proposals], axis=1),
+                               rollback(cache, start + count))
       accepted, new, new_records = rule.judge(logits, proposals, proposal_record, proposed,
                                               count, index)  # [b], [b, k + 1], [b, k + 1, v]
       gained = jnp.where(active, accepted + 1, 0)

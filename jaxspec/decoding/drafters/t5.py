@@ -12,6 +12,7 @@ from jaxspec.config import T5Config
 from jaxspec.decoding.drafters.base import (DraftContext, Drafter, DraftSources,
                                             draft_confidence, draw_tokens)
 from jaxspec.model import T5, DecoderCache, repeat_rows, rollback
+from jaxspec.model.cpu import matmul as cpu_matmul
 from jaxspec.model.sharding import DRAFT
 from jaxspec.sampling import SamplingConfig, argmax, position_noise, standardize
 from jaxspec.decoding.verification.coupled import coupled_tokens
@@ -212,7 +213,8 @@ def _propose_steps(decode, cache: DecoderCache, context: DraftContext, gamma: in
 
   def step(carry):
     i, cache, tokens, records, confidences, stopped = carry
-    logits, cache = decode(tokens[:, i - 1][:, None], cache)  # [b, 1, v]
+    with cpu_matmul.active_rows(~stopped):  # a stopped row's steps are never used
+      logits, cache = decode(tokens[:, i - 1][:, None], cache)  # [b, 1, v]
     token, draw_record = draw(i, logits[:, 0])
     return (i + 1, cache) + record(i, logits[:, 0], token, draw_record, tokens, records,
                                    confidences, stopped)

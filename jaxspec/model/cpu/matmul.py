@@ -236,18 +236,19 @@ def applies(x, w_t) -> bool:
 
 
 # Rows that need no product: inside `active_rows(active)` the kernel computes only the
-# rows of x [b, ..., in] whose batch row is active (active [b] bool), as in a product of
-# all rows, and gives the others zeros. Speculative decoding of a batch sets it to the
-# rows still decoding: once a step's products are compute-bound (several rows, each over
-# the verify step's positions) a finished row then costs nothing.
+# rows of x [b, t, ..., in] that `active` ([b] per batch row, or [b, t] per position) marks,
+# as in a product of all rows, and gives the others zeros. The decoding loops mark the
+# rows still decoding (and the verify step the positions a row proposed): once a step's
+# products are compute-bound (several rows, each over the verify step's positions) a
+# finished row then costs nothing.
 _ACTIVE_ROWS = contextvars.ContextVar('jaxspec_active_rows', default=None)
 
 
 @contextlib.contextmanager
 def active_rows(active):
-  """Within the block, kernel products skip the rows of inactive batch rows (active [b]
-  bool; their outputs are zeros). Products whose rows do not lead with that batch axis
-  compute every row."""
+  """Within the block, kernel products skip the rows `active` ([b] or [b, t] bool) leaves
+  out; their outputs are zeros. Products whose rows do not lead with those axes compute
+  every row."""
   token = _ACTIVE_ROWS.set(active)
   try:
     yield
@@ -260,9 +261,9 @@ def row_flags(x):
   rows_shape = x.shape[:-1]
   rows = int(np.prod(rows_shape, dtype=np.int64))
   active = _ACTIVE_ROWS.get()
-  if active is None or not rows_shape or tuple(active.shape) != rows_shape[:1]:
+  if active is None or tuple(active.shape) != rows_shape[:active.ndim]:
     return jnp.ones((rows,), jnp.int32)
-  active = active.reshape(active.shape + (1,) * (len(rows_shape) - 1))
+  active = active.reshape(active.shape + (1,) * (len(rows_shape) - active.ndim))
   return jnp.broadcast_to(active, rows_shape).reshape(rows).astype(jnp.int32)
 
 
