@@ -113,24 +113,26 @@ def rows_for(outputs, seconds, gamma: int, temperature: float) -> list[dict]:
   return rows
 
 
-STEP_CALLS = (8, 48)  # decode steps (proposals) per timed call; their difference times one
+STEP_CALLS = (16, 96)  # decode steps (proposals) per timed call; their difference times one
 
 
-def _slope_seconds(run, repeats: int) -> float:
-  """Seconds of one unit of run(n) (a jitted loop of n), from the fastest of `repeats`
-  calls at each of STEP_CALLS (fixed costs cancel)."""
-  best = {}
-  for count in STEP_CALLS:
-    jax.block_until_ready(run(count))
-    best[count] = min(_timed(run, count) for _ in range(repeats))
+def _slopes_ms(runs: dict, repeats: int) -> dict:
+  """{name: milliseconds of one unit of runs[name](n)} (a jitted loop of n): every run at
+  each count of STEP_CALLS, interleaved over `repeats` rounds so a change of load hits
+  them alike, the fastest of each; fixed costs cancel in the difference."""
+  for run in runs.values():
+    for count in STEP_CALLS:
+      jax.block_until_ready(run(count))
+  best = {(name, count): float('inf') for name in runs for count in STEP_CALLS}
+  for _ in range(repeats):
+    for name, run in runs.items():
+      for count in STEP_CALLS:
+        start = time.perf_counter()
+        jax.block_until_ready(run(count))
+        best[name, count] = min(best[name, count], time.perf_counter() - start)
   short, long = STEP_CALLS
-  return (best[long] - best[short]) / (long - short)
-
-
-def _timed(run, count) -> float:
-  start = time.perf_counter()
-  jax.block_until_ready(run(count))
-  return time.perf_counter() - start
+  return {name: 1e3 * (best[name, long] - best[name, short]) / (long - short)
+          for name in runs}
 
 
 def component_costs(pair, int8, int8_params, proposer, proposer_params, *, gamma: int,
@@ -159,7 +161,7 @@ def component_costs(pair, int8, int8_params, proposer, proposer_params, *, gamma
         logits, cache = decode(inputs, rollback(cache, jnp.full((1,), 8 + i % 4, jnp.int32)))
         return cache, 3 + jnp.argmax(logits[0, -1]).astype(jnp.int32) % 5
       return jax.lax.fori_loop(0, count, body, (cache, jnp.int32(3)))[1]
-    return 1e3 * _slope_seconds(run, repeats)
+    return run
 
   def proposals(k):
     prefix = jnp.full((1, pair.max_decode_length), 3, jnp.int32)
@@ -175,14 +177,18 @@ def component_costs(pair, int8, int8_params, proposer, proposer_params, *, gamma
                                                 jax.random.PRNGKey(0), 1))
         return state, jax.lax.dynamic_update_slice_in_dim(prefix, drafts, 8, axis=1)
       return jax.lax.fori_loop(0, count, body, (proposer_state, prefix))[1]
-    return 1e3 * _slope_seconds(run, repeats)
+    return run
 
   int8_decode = int8.decoder(int8_params)
-  return {
-      'int8_step_ms': {t: steps(int8_decode, int8_state, t)
-                       for t in range(1, max(lookaheads) + 2)},
-      'proposer_ms': {k: proposals(k) for k in lookaheads},
-      'target_step_ms': {t: steps(target_decode, target_cache, t) for t in (1, gamma + 1)}}
+  runs = {('int8_step_ms', t): steps(int8_decode, int8_state, t)
+          for t in range(1, max(lookaheads) + 2)}
+  runs.update({('proposer_ms', k): proposals(k) for k in lookaheads})
+  runs.update({('target_step_ms', t): steps(target_decode, target_cache, t)
+               for t in (1, gamma + 1)})
+  costs = {}
+  for (part, size), ms in _slopes_ms(runs, repeats).items():
+    costs.setdefault(part, {})[size] = ms
+  return costs
 
 
 def predicted_gain(costs: dict, single: dict, staged: dict, k: int, gamma: int) -> float:
