@@ -34,3 +34,14 @@ def test_rows_per_batch_size_with_auto_gamma(tmp_path, tiny_pair_checkpoints):
   assert {'commit', 'date', 'machine', 'load_average', 'command'} <= set(on_disk['provenance'])
   assert 'batch_size' in (tmp_path / 'results' / 'tiny.md').read_text()
   assert (tmp_path / 'results' / 'tiny.png').stat().st_size > 1000
+  # A second invocation measures anew instead of resuming the first one's records.
+  records = tmp_path / 'results' / 'runs' / 'tiny_b1_t0' / 'baseline.jsonl'
+  first = records.read_text()
+  again = batch_sizes.run(
+      gin_file=str(config), batch_sizes=[1], temperatures=[0.0], num_examples=4,
+      output_dir=str(tmp_path / 'results'), name='tiny',
+      extra_flags=["--gin.GAMMA='auto'", '--gin.infer.auto_gammas=(1, 2)',
+                   f"--gin.infer.calibration_dir='{tmp_path / 'calibration'}'"])
+  gin.clear_config()
+  assert records.read_text() != first  # its records timed again
+  assert again['rows'][0]['identical_outputs'] == '4/4'

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -102,6 +103,9 @@ def run(*, gin_file: str, batch_sizes, temperatures, num_examples: int, output_d
     for batch_size in batch_sizes:
       gin.clear_config()
       run_dir = os.path.join(output_dir, 'runs', f'{name}_b{batch_size}_t{temperature:g}')
+      # Measured anew: the launcher would resume an earlier invocation's records (timed by
+      # another process, perhaps other code) and report their seconds.
+      shutil.rmtree(run_dir, ignore_errors=True)
       gin_flags.parse([f'--gin_file={gin_file}', *extra_flags,
                        f'--gin.TEMPERATURE={float(temperature)}',
                        f'--gin.infer.batch_size={batch_size}',
