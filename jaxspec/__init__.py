@@ -15,6 +15,7 @@ The public surface, importable from `jaxspec` alone:
   Drafter, DraftContext           the drafter interface (a base class)
   T5Drafter, Int8Drafter, SharedEncoderDrafter, PromptLookupDrafter,
   UnigramDrafter, BigramDrafter, fit_unigram, fit_bigram
+  StagedDrafter, StageStats       a drafter decoded speculatively with a cheaper proposer
   EOS_ID, PAD_ID
 
 Everything else lives in the subpackages: decoding (decoders, drafters/, verification/),
@@ -27,8 +28,9 @@ from jaxspec.config import EOS_ID, PAD_ID, T5Config, get_config
 from jaxspec.decoding.baseline import generate, temperature_sample
 from jaxspec.decoding.beam_search import BeamConfig, beam_search, generate_beam
 from jaxspec.decoding.drafters import (BigramDrafter, DraftContext, Drafter, Int8Drafter,
-                                       PromptLookupDrafter, SharedEncoderDrafter, T5Drafter,
-                                       UnigramDrafter, fit_bigram, fit_unigram)
+                                       PromptLookupDrafter, SharedEncoderDrafter,
+                                       StagedDrafter, StageStats, T5Drafter, UnigramDrafter,
+                                       fit_bigram, fit_unigram)
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
 from jaxspec.inference import load_model_params as load_checkpoint
@@ -39,7 +41,8 @@ from jaxspec.sampling import SamplingConfig
 __all__ = [
     'BeamConfig', 'BigramDrafter', 'DraftContext', 'Drafter', 'EOS_ID', 'Int8Drafter',
     'PAD_ID', 'PromptLookupDrafter', 'SamplingConfig', 'SharedEncoderDrafter',
-    'SpeculativeBeamConfig', 'SpeculativeConfig', 'T5Config', 'T5Drafter', 'UnigramDrafter',
+    'SpeculativeBeamConfig', 'SpeculativeConfig', 'StageStats', 'StagedDrafter', 'T5Config',
+    'T5Drafter', 'UnigramDrafter',
     'beam_search', 'fit_bigram', 'fit_unigram', 'generate', 'generate_beam', 'get_config',
     'init_params', 'load_checkpoint', 'load_pair', 'pairs', 'speculative_beam_generate',
     'speculative_generate', 'temperature_sample',

@@ -934,3 +934,39 @@ def test_verify_lengths_are_checked(lengths):
 def test_verify_lengths_refuse_token_trees():
   with pytest.raises(ValueError, match=r'cannot be combined with verify_lengths \(2,\)'):
     SpeculativeConfig(gamma=3, num_drafts=2, verify_lengths=(2,))
+
+
+# ----------------------------------------------------------------------------------
+# Rows and positions whose products are never used are marked for the kernels.
+
+
+def test_the_loop_marks_what_the_kernels_may_skip(monkeypatch):
+  """Traced once: every kernel product inside the loop runs under active_rows flags that
+  follow the batch: the verify step's per row and position ([b, gamma + 1]), the drafter's
+  per row ([b]). What the flags skip is never used: the identity tests above run with
+  them."""
+  from jaxspec.model.cpu import layout as kernel_layout  # pylint: disable=g-import-not-at-top
+  from jaxspec.model.cpu import matmul as cpu_matmul  # pylint: disable=g-import-not-at-top
+  seen = []
+  row_flags = cpu_matmul.row_flags
+
+  def recording(x):
+    active = cpu_matmul._ACTIVE_ROWS.get()  # pylint: disable=protected-access
+    seen.append((x.shape[:-1], None if active is None else tuple(active.shape)))
+    return row_flags(x)
+
+  monkeypatch.setattr(cpu_matmul, 'row_flags', recording)
+  gamma, batch = 3, len(ENCODER_LENGTHS)
+  drafter, params = _drafter_setup('random')
+  loop = functools.partial(
+      speculative._speculative_generate.__wrapped__,  # pylint: disable=protected-access
+      target_config=TARGET, drafter=drafter, spec=SpeculativeConfig(gamma=gamma),
+      max_decode_length=MAX_LEN, sampling=SamplingConfig(), eos_id=EOS_ID)
+  # Both models in the kernels' layout, so every decode-step product goes through them.
+  jax.make_jaxpr(loop)(kernel_layout.for_decoding(_target_params()),
+                       kernel_layout.for_decoding(params), jnp.asarray(_encoder_tokens()),
+                       jax.random.PRNGKey(0))  # traced afresh, not compiled
+  marked = {(rows, active) for rows, active in seen if active is not None}
+  assert ((batch, gamma + 1), (batch, gamma + 1)) in marked  # the verify step
+  assert ((batch, 1), (batch,)) in marked  # the draft steps
+  assert all(rows[:len(active)] == active for rows, active in marked)

@@ -202,6 +202,14 @@ def _batch_size_rows(record):
   return rows
 
 
+def _staged_rows(record):
+  rows = record.get('rows')
+  if not isinstance(rows, list) or not rows or not all(
+      isinstance(r, dict) and 'decoder' in r and 'tokens_per_second' in r for r in rows):
+    return []
+  return rows
+
+
 KINDS: tuple[Kind, ...] = (
     Kind('batch_sizes', 'The main job at each batch size (jaxspec-batch-sizes)',
          'Baseline and speculative decoding (`gamma=\'auto\'`: chosen per batch from measured '
@@ -214,6 +222,21 @@ KINDS: tuple[Kind, ...] = (
           Column('speculative tokens/s', _get('speculative_tokens_per_second'), 'f1'),
           Column('speedup', _get('speedup'), 'x'),
           Column('gamma chosen', _get('gamma_choices')),
+          Column('alpha', _get('alpha'), 'f3'),
+          Column('identical outputs', _get('identical_outputs')))),
+    Kind('staged', 'Staged against single-stage speculation (jaxspec-staged-bench)',
+         'The baseline, the int8 draft alone and the int8 draft staged on the small T5 draft '
+         '(lookahead k) interleaved example by example, batch 1, coupled verification; gain '
+         'over single stage measured and predicted from the parts\' costs timed apart; '
+         'drafter steps and rounds over all examples; the proposals\' acceptance.',
+         _staged_rows,
+         (_T, Column('gamma', _get('gamma')), Column('decoder', _get('decoder')),
+          Column('tokens/s', _get('tokens_per_second'), 'f1'),
+          Column('speedup', _get('speedup'), 'x'),
+          Column('gain over single stage', _get('gain_over_single_stage'), 'x'),
+          Column('predicted gain', _get('predicted_gain'), 'x'),
+          Column('drafter steps', _get('drafter_steps')), Column('rounds', _get('rounds')),
+          Column('acceptance', _get('stage_acceptance'), 'f3'),
           Column('alpha', _get('alpha'), 'f3'),
           Column('identical outputs', _get('identical_outputs')))),
     Kind('runs', 'Launcher runs: baseline and speculative decoding over a split',
