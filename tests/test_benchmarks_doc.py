@@ -112,3 +112,18 @@ def test_committed_benchmarks_md_is_rendered_from_results():
                            link_base=os.path.join(REPO, 'docs'))
   assert committed == rendered, ('docs/benchmarks.md is stale: run '
                                  '`python scripts/render_benchmarks.py` and commit it')
+
+
+def test_files_git_ignores_are_not_records(tmp_path):
+  """In a git checkout, what git ignores under results/ (a launcher's run directories) is
+  scratch, not a record; a new record not yet committed is one."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  subprocess.run(['git', 'init', '-q', str(tmp_path)], check=True)
+  (tmp_path / '.gitignore').write_text('/results/batch_sizes/runs/\n')
+  record = {'rows': [{'batch_size': 1, 'speculative_tokens_per_second': 2.0}]}
+  for path in ('results/batch_sizes/amd.json', 'results/batch_sizes/runs/b1/summary.json'):
+    (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / path).write_text(json.dumps(record))
+  found = [os.path.relpath(path, tmp_path) for path, _ in
+           report.find_records(str(tmp_path / 'results'))]
+  assert found == [os.path.join('results', 'batch_sizes', 'amd.json')]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
 from typing import Any, Callable, Iterable
 
 TITLE = '# Benchmarks: every measurement record in results/'
@@ -432,22 +433,33 @@ def provenance(record: dict) -> dict:
 
 
 def find_records(results_dir: str) -> list[tuple[str, dict]]:
-  """(path, record) of every JSON object under results_dir, sorted by path."""
+  """(path, record) of every JSON object under results_dir, sorted by path; in a git
+  checkout only the files git does not ignore (a launcher's run directories and other
+  scratch output under results/ are not records)."""
   found = []
-  for directory, subdirectories, files in os.walk(results_dir):
-    subdirectories.sort()
-    for name in sorted(files):
-      if not name.endswith('.json'):
-        continue
-      path = os.path.join(directory, name)
-      try:
-        with open(path, encoding='utf-8') as f:
-          record = json.load(f)
-      except (OSError, ValueError):
-        continue
-      if isinstance(record, dict):
-        found.append((path, record))
+  for path in _result_files(results_dir):
+    try:
+      with open(path, encoding='utf-8') as f:
+        record = json.load(f)
+    except (OSError, ValueError):
+      continue
+    if isinstance(record, dict):
+      found.append((path, record))
   return sorted(found, key=lambda item: item[0])
+
+
+def _result_files(results_dir: str) -> list[str]:
+  """The .json files under results_dir: those git tracks or would track, where it runs."""
+  try:
+    listed = subprocess.run(
+        ['git', 'ls-files', '--cached', '--others', '--exclude-standard', '-z', '.'],
+        cwd=results_dir, capture_output=True, check=True).stdout.decode()
+    return [os.path.join(results_dir, name) for name in listed.split('\0')
+            if name.endswith('.json')]
+  except (OSError, subprocess.CalledProcessError):  # not a git checkout, or no git
+    return [os.path.join(directory, name)
+            for directory, _, files in os.walk(results_dir)
+            for name in files if name.endswith('.json')]
 
 
 def record_kinds(record: dict) -> list[str]:
