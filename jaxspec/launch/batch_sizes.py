@@ -15,32 +15,20 @@ date, machine (CPU model, cores, caches; or the accelerator), load and command.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import shutil
 import sys
-import time
 
 import gin
 import jax
 
-from jaxspec import inference, machine
-from jaxspec.launch import gin_flags
+from jaxspec.launch import bench_output, gin_flags
 from jaxspec.launch import infer as infer_script
 
 DEFAULT_GIN_FILE = infer_script.DEFAULT_GIN_FILE
 COLUMNS = ('batch_size', 'temperature', 'examples', 'baseline_tokens_per_second',
            'speculative_tokens_per_second', 'speedup', 'gamma_choices', 'alpha',
            'identical_outputs')
-
-
-def provenance(argv, command: str = 'jaxspec-batch-sizes') -> dict:
-  """The record's commit, date, machine (with its caches), 1-minute load and command."""
-  return {'commit': (machine.git_commit() or '')[:7] or None,
-          'date': time.strftime('%Y-%m-%d'), 'machine': machine.description(caches=True),
-          'load_average': f'{os.getloadavg()[0]:.2f}',
-          'command': ' '.join([command, *argv])}
 
 
 def row(summary: dict, batch_size: int, temperature: float) -> dict:
@@ -55,22 +43,8 @@ def row(summary: dict, batch_size: int, temperature: float) -> dict:
       'identical_outputs': f"{summary['identical_outputs']}/{summary['examples']}"}
 
 
-def write_table(output_dir: str, name: str, record: dict, columns, title: str):
-  """<output_dir>/<name>.json (the record) and .md (title, machine, commit and the rows'
-  columns, floats to 2 places, None as '-'), each written whole."""
-  os.makedirs(output_dir, exist_ok=True)
-  path = os.path.join(output_dir, name)
-  inference.write_text_atomic(path + '.json', json.dumps(record, indent=1))
-  rows = [{k: (f'{v:.2f}' if isinstance(v, float) else '-' if v is None else v)
-           for k, v in r.items()} for r in record['rows']]
-  machine_line = ', '.join(f'{k} {v}' for k, v in record['provenance']['machine'].items())
-  inference.write_text_atomic(path + '.md', (
-      f"{title}, {machine_line}; commit {record['provenance']['commit']}.\n\n"
-      + inference.markdown_table(rows, columns)))
-
-
 def write(output_dir: str, name: str, record: dict, plot: bool = False):
-  write_table(output_dir, name, record, COLUMNS,
+  bench_output.write_table(output_dir, name, record, COLUMNS,
               f"Main job at each batch size ({record['gin_file']})")
   if plot and record['rows']:
     _plot(os.path.join(output_dir, name) + '.png', record['rows'])
@@ -98,7 +72,7 @@ def _plot(path: str, rows):
 def run(*, gin_file: str, batch_sizes, temperatures, num_examples: int, output_dir: str,
         name: str, extra_flags=(), argv=()) -> dict:
   record = {'gin_file': gin_file, 'num_examples': num_examples,
-            'provenance': provenance(argv), 'rows': []}
+            'provenance': bench_output.provenance('jaxspec-batch-sizes', argv), 'rows': []}
   for temperature in temperatures:
     for batch_size in batch_sizes:
       gin.clear_config()
@@ -124,17 +98,14 @@ def run(*, gin_file: str, batch_sizes, temperatures, num_examples: int, output_d
   return record
 
 
-def _ints(text: str):
-  return [int(x) for x in text.split(',') if x]
-
-
 def main(argv: list[str] | None = None):
   argv = sys.argv[1:] if argv is None else argv
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--gin_file', default=DEFAULT_GIN_FILE)
-  parser.add_argument('--batch_sizes', type=_ints, default=[1, 2, 4, 8, 16, 32])
+  parser.add_argument('--batch_sizes', type=bench_output.int_list,
+                      default=[1, 2, 4, 8, 16, 32])
   parser.add_argument('--temperatures', default='0,1',
-                      type=lambda t: [float(x) for x in t.split(',') if x])
+                      type=bench_output.float_list)
   parser.add_argument('--num_examples', type=int, default=256)
   parser.add_argument('--output_dir', default='results/batch_sizes')
   parser.add_argument('--name', default=None,
@@ -142,9 +113,7 @@ def main(argv: list[str] | None = None):
   args, extra = parser.parse_known_args(argv)
   if any(not flag.startswith('--gin') for flag in extra):
     parser.error(f'unknown flags {extra}')
-  described = machine.description()
-  name = args.name or re.sub(r'[^a-z0-9]+', '-', (
-      described.get('cpu') or described['device']).lower()).strip('-')
+  name = args.name or bench_output.machine_name()
   run(gin_file=args.gin_file, batch_sizes=args.batch_sizes, temperatures=args.temperatures,
       num_examples=args.num_examples, output_dir=args.output_dir, name=name,
       extra_flags=extra, argv=argv)

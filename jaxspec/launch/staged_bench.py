@@ -18,7 +18,6 @@ each temperature, with the commit, date, machine, load and command.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 
@@ -26,14 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import inference, machine, pairs
+from jaxspec import inference, pairs
 from jaxspec.config import EOS_ID
 from jaxspec.data import corpora
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding import speculative
 from jaxspec.decoding.drafters import DraftContext, Int8Drafter, StagedDrafter, T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.launch import batch_sizes
+from jaxspec.launch import bench_output
 from jaxspec.measure.benchmark import time_side_by_side
 from jaxspec.model import T5, rollback
 from jaxspec.sampling import SamplingConfig
@@ -52,10 +51,10 @@ def bucketed(tokens: np.ndarray) -> np.ndarray:
   return tokens[:, :length]
 
 
-def decoders(pair, draft_params, *, gamma: int, lookaheads, sampling: SamplingConfig):
-  """{name: decode(tokens [1, s], key) -> (output tokens [1, L], SpeculativeOutput or None)}."""
+def decoders(pair, int8_params, *, gamma: int, lookaheads, sampling: SamplingConfig):
+  """{name: decode(tokens [1, s], key) -> (output tokens [1, L], SpeculativeOutput or None)}
+  for the pair (its draft the proposer) and the int8 draft's params."""
   int8 = Int8Drafter(pair.target_config)
-  int8_params = int8.draft_params(pair.target_params)
   spec = SpeculativeConfig(gamma=gamma, verification='coupled')
   common = dict(target_config=pair.target_config, max_decode_length=pair.max_decode_length,
                 sampling=sampling)
@@ -75,7 +74,7 @@ def decoders(pair, draft_params, *, gamma: int, lookaheads, sampling: SamplingCo
   for k in lookaheads:
     staged = StagedDrafter(drafter=int8, proposer=T5Drafter(pair.draft_config), lookahead=k)
     named[f'staged k={k}'] = speculative(staged, {'drafter': int8_params,
-                                                  'proposer': draft_params})
+                                                  'proposer': pair.draft_params})
   return named
 
 
@@ -215,16 +214,17 @@ def run(*, num_examples: int, gamma: int, lookaheads, temperatures, repeats: int
   examples = corpora.load_split(pair.task, 'test')[:num_examples]
   inputs = [bucketed(pair.encode([e['inputs']])) for e in examples]
   record = {'pair': PAIR, 'num_examples': len(inputs), 'repeats': repeats,
-            'provenance': batch_sizes.provenance(argv, 'jaxspec-staged-bench'), 'rows': []}
+            'provenance': bench_output.provenance('jaxspec-staged-bench', argv), 'rows': []}
   int8 = Int8Drafter(pair.target_config)
-  record['costs'] = component_costs(pair, int8, int8.draft_params(pair.target_params),
+  int8_params = int8.draft_params(pair.target_params)  # quantized once for every decoder
+  record['costs'] = component_costs(pair, int8, int8_params,
                                     T5Drafter(pair.draft_config), pair.draft_params,
                                     gamma=gamma, lookaheads=lookaheads)
   jax.clear_caches()
   print(f"costs (ms): {record['costs']}", file=sys.stderr, flush=True)
   for temperature in temperatures:
     sampling = SamplingConfig(temperature=float(temperature))
-    named = decoders(pair, pair.draft_params, gamma=gamma, lookaheads=lookaheads,
+    named = decoders(pair, int8_params, gamma=gamma, lookaheads=lookaheads,
                      sampling=sampling)
     keys = [jax.random.PRNGKey(i) for i in range(len(inputs))]
     for length in sorted({x.shape[1] for x in inputs}):  # compile every bucket first
@@ -243,7 +243,7 @@ def run(*, num_examples: int, gamma: int, lookaheads, temperatures, repeats: int
         row['predicted_gain'] = predicted_gain(record['costs'], single, row, k, gamma)
     record['rows'] += rows
     jax.clear_caches()
-    batch_sizes.write_table(output_dir, name, record, COLUMNS,
+    bench_output.write_table(output_dir, name, record, COLUMNS,
                             f"Staged against single-stage speculation ({PAIR}, int8 draft "
                             f"staged on draft_small, batch 1, gamma {gamma}, coupled "
                             f"verification)")
@@ -253,27 +253,21 @@ def run(*, num_examples: int, gamma: int, lookaheads, temperatures, repeats: int
   return record
 
 
-def _ints(text: str):
-  return [int(x) for x in text.split(',') if x]
-
-
 def main(argv: list[str] | None = None):
   argv = sys.argv[1:] if argv is None else argv
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--num_examples', type=int, default=100)
   parser.add_argument('--gamma', type=int, default=9,
                       help='gamma of both speculative decoders')
-  parser.add_argument('--lookaheads', type=_ints, default=[1, 2, 3])
+  parser.add_argument('--lookaheads', type=bench_output.int_list, default=[1, 2, 3])
   parser.add_argument('--temperatures', default='0,1',
-                      type=lambda t: [float(x) for x in t.split(',') if x])
+                      type=bench_output.float_list)
   parser.add_argument('--repeats', type=int, default=2)
   parser.add_argument('--output_dir', default='results/staged')
   parser.add_argument('--name', default=None,
                       help='file name of the results (default: the machine, slugged)')
   args = parser.parse_args(argv)
-  described = machine.description()
-  name = args.name or re.sub(r'[^a-z0-9]+', '-', (
-      described.get('cpu') or described['device']).lower()).strip('-')
+  name = args.name or bench_output.machine_name()
   run(num_examples=args.num_examples, gamma=args.gamma, lookaheads=args.lookaheads,
       temperatures=args.temperatures, repeats=args.repeats, output_dir=args.output_dir,
       name=name, argv=argv)

@@ -194,20 +194,14 @@ def _megabytes(value):
 _TARGET = Column('target', _get('_target'))
 _T = Column('T', _get('temperature'), 'g')
 
-def _batch_size_rows(record):
-  rows = record.get('rows')
-  if not isinstance(rows, list) or not rows or not all(
-      isinstance(r, dict) and 'batch_size' in r and 'speculative_tokens_per_second' in r
-      for r in rows):
-    return []
-  return rows
-
-
-def _staged_rows(record):
-  rows = record.get('rows')
-  if not isinstance(rows, list) or not rows or not all(
-      isinstance(r, dict) and 'decoder' in r and 'tokens_per_second' in r for r in rows):
-    return []
+def _rows_with(*required: str):
+  """record -> its 'rows', where there are some and each has every required field."""
+  def rows(record):
+    found = record.get('rows')
+    if not isinstance(found, list) or not found or not all(
+        isinstance(r, dict) and all(key in r for key in required) for r in found):
+      return []
+    return found
   return rows
 
 
@@ -216,7 +210,7 @@ KINDS: tuple[Kind, ...] = (
          'Baseline and speculative decoding (`gamma=\'auto\'`: chosen per batch from measured '
          'costs, 0 = the baseline itself) interleaved batch by batch in one process; tokens '
          'per second over the same outputs; the gammas chosen, as gamma:batches.',
-         _batch_size_rows,
+         _rows_with('batch_size', 'speculative_tokens_per_second'),
          (Column('batch', _get('batch_size')), Column('temperature', _get('temperature')),
           Column('examples', _get('examples')),
           Column('baseline tokens/s', _get('baseline_tokens_per_second'), 'f1'),
@@ -230,7 +224,7 @@ KINDS: tuple[Kind, ...] = (
          '(lookahead k) interleaved example by example, batch 1, coupled verification; gain '
          'over single stage measured and predicted from the parts\' costs timed apart; '
          'drafter steps and rounds over all examples; the proposals\' acceptance.',
-         _staged_rows,
+         _rows_with('decoder', 'tokens_per_second'),
          (_T, Column('gamma', _get('gamma')), Column('decoder', _get('decoder')),
           Column('tokens/s', _get('tokens_per_second'), 'f1'),
           Column('speedup', _get('speedup'), 'x'),

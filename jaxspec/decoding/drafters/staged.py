@@ -28,10 +28,11 @@ stays exact and its acceptance is the middle drafter's:
 Rounds run in a while loop until every row has gamma drafts (or drafted EOS); a
 round's drafts past gamma are dropped. A proposer's cache has read only the drafts it
 proposed or was handed as context, not all those the target then accepts: each proposal
-starts by catching it up (Drafter.catch_up: one step over the last gamma + 1 inputs). The middle drafter's cache holds lookahead more
-positions than it would alone. Its first draft of a proposal comes from its usual first
-step (consume_last_inputs), so a proposal costs 1 + rounds drafter steps and rounds
-proposer calls, against gamma steps single-stage; StageStats counts them.
+starts by catching it up (Drafter.catch_up: one step over the last gamma + 1 inputs).
+The middle drafter's cache holds lookahead more positions than it would alone. Its
+first draft of a proposal comes from its usual first step (consume_last_inputs), so a
+proposal costs 1 + rounds drafter steps and rounds proposer calls, against gamma steps
+single-stage; StageStats counts them.
 """
 
 from __future__ import annotations
@@ -177,8 +178,7 @@ class StagedDrafter(Drafter):
     """-> the drafter's coupled drafts [b, gamma], their noise [b, gamma, v] (None at
     temperature 0), state."""
     rule = _CoupledRounds(self.proposer, params['proposer'], sampling, position_keys, keys)
-    drafts, records, state = self._propose(params, state, context, gamma, rule)
-    return drafts, records, state
+    return self._propose(params, state, context, gamma, rule)
 
   def _propose(self, params, state: StagedState, context: DraftContext, gamma: int, rule):
     decode = self.drafter.decoder(params['drafter'])
@@ -214,17 +214,16 @@ class StagedDrafter(Drafter):
       active = ~stopped & (count < gamma)  # [b]
       inner = DraftContext(tokens=tokens, length=start + count,
                            encoder_tokens=context.encoder_tokens, eos_id=context.eos_id)
+      last = jnp.take_along_axis(drafts, (count - 1)[:, None], axis=1)  # [b, 1]
       with cpu_matmul.active_rows(active):  # rows done drafting cost no products
         proposals, proposal_record, proposer_state = rule.propose(
             proposer_state, inner, k, count, index)  # [b, k]
+        # One step over d_n, p_1..p_k from d_n's slot: logits after each [b, k + 1, v].
+        logits, cache = decode(jnp.concatenate([last, proposals], axis=1),
+                               rollback(cache, start + count))
       proposed = jnp.full((batch,), k, jnp.int32)
       if context.eos_id is not None:  # a proposer may leave the rest after its EOS undrafted
         proposed = drafts_through_first(proposals == context.eos_id)
-      last = jnp.take_along_axis(drafts, (count - 1)[:, None], axis=1)  # [b, 1]
-      # One step over d_n, p_1..p_k from d_n's slot: logits after each [b, k + 1, v].
-      with cpu_matmul.active_rows(active):
-        logits, cache = decode(jnp.concatenate([last, proposals], axis=1),
-                               rollback(cache, start + count))
       accepted, new, new_records = rule.judge(logits, proposals, proposal_record, proposed,
                                               count, index)  # [b], [b, k + 1], [b, k + 1, v]
       gained = jnp.where(active, accepted + 1, 0)
@@ -275,8 +274,8 @@ def _is_eos(tokens, eos_id):
 # propose(proposer_state, context, k, count [b], round) -> proposals [b, k], what the
 #   judge needs of them (q, or None), proposer state;
 # judge(logits [b, k+1, v], proposals, their record, proposed [b] (those past it are
-#   never accepted), count, round) -> accepted [b] in 0..proposed, the drafter's tokens [b, k+1] (accepted proposals, then its own), their
-#   records [b, k+1, v] or None;
+#   never accepted), count, round) -> accepted [b] in 0..proposed, the drafter's tokens
+#   [b, k+1] (accepted proposals, then its own), their records [b, k+1, v] or None;
 # first(logits [b, v]) -> the proposal's first draft [b] and its record.
 
 
