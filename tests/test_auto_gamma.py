@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _wrapped_drafter import WrappedDrafter  # tests/_wrapped_drafter.py
 from jaxspec.config import get_config
 from jaxspec.decoding import auto_gamma
 from jaxspec.decoding.auto_gamma import (AutoGammaDecoder, BatchCosts, GammaCostCache,
@@ -21,7 +22,7 @@ from jaxspec.decoding.auto_gamma import (AutoGammaDecoder, BatchCosts, GammaCost
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.beam_search import BeamConfig
 from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
-from jaxspec.decoding.drafters import Drafter, T5Drafter
+from jaxspec.decoding.drafters import T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.launch import gin_flags
 from jaxspec.launch import infer as infer_script
@@ -193,18 +194,11 @@ MAX_LEN = 10
 
 
 @dataclasses.dataclass(frozen=True)
-class _SlowDrafter(Drafter):
+class _SlowDrafter(WrappedDrafter):
   """A T5 drafter made artificially slow: each proposal also runs `work` dependent
   matrix products, whose result is added to q times 0 (so they cannot be skipped)."""
   inner: T5Drafter
   work: int = 200
-
-  @property
-  def vocab_size(self):
-    return self.inner.vocab_size
-
-  def init_state(self, params, encoder_tokens, max_length):
-    return self.inner.init_state(params, encoder_tokens, max_length)
 
   def propose(self, params, state, context, gamma, sampling, keys):
     x = jnp.full((256, 256), 1e-3, jnp.float32) + context.length[0].astype(jnp.float32)

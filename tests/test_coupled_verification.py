@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 
 import test_speculative as spec_tests  # tests/test_speculative.py: models, enumeration
+from _wrapped_drafter import WrappedDrafter  # tests/_wrapped_drafter.py
 from jaxspec.decoding import common
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafters import Drafter, T5Drafter
+from jaxspec.decoding.drafters import T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.sampling import SamplingConfig, position_noise, sample_logits
 from jaxspec.decoding.verification.coupled import coupled_tokens, coupled_verdict
@@ -40,20 +41,10 @@ RNG = jax.random.PRNGKey(21)
 
 
 @dataclasses.dataclass(frozen=True)
-class _WithoutCoupledDraws(Drafter):
+class _WithoutCoupledDraws(WrappedDrafter):
   """A T5 drafter without its propose_coupled (Drafter's default): coupled verification
   takes `propose`'s tokens and draws every verified position with fresh noise."""
   inner: T5Drafter
-
-  @property
-  def vocab_size(self):
-    return self.inner.vocab_size
-
-  def init_state(self, params, encoder_tokens, max_length):
-    return self.inner.init_state(params, encoder_tokens, max_length)
-
-  def propose(self, params, state, context, gamma, sampling, keys):
-    return self.inner.propose(params, state, context, gamma, sampling, keys)
 
 
 def _drafter_setup(name):

@@ -37,17 +37,18 @@ import numpy as np
 import pytest
 
 import test_speculative as spec_tests  # tests/test_speculative.py: enumeration, stats checks
+from _wrapped_drafter import WrappedDrafter  # tests/_wrapped_drafter.py
+from test_accelerator_path import _params  # random params in the kernels' layout
 from jaxspec.config import EOS_ID, get_config
 from jaxspec.decoding import common
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafters import (DraftContext, Drafter, Int8Drafter, PromptLookupDrafter,
+from jaxspec.decoding.drafters import (DraftContext, Int8Drafter, PromptLookupDrafter,
                                        StagedDrafter, StageStats, T5Drafter)
 from jaxspec.decoding.drafters.base import drafts_through_first
 from jaxspec.decoding.drafters.t5 import CachedDecoderDrafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.decoding.verification import token as token_verification
 from jaxspec.model import T5, init_params, rollback
-from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.sampling import SamplingConfig, standardize
 
 # A one-layer T5.1.1 target over 64 tokens; its int8 decoder is the middle drafter.
@@ -61,16 +62,6 @@ RNG = jax.random.PRNGKey(21)
 
 # ----------------------------------------------------------------------------------
 # Models and drafters.
-
-
-def _params(config, seed, eos_scale=1.0):
-  """Random variables in the transposed layout, the EOS logit column scaled."""
-  params = init_params(config, jax.random.PRNGKey(seed))['params']
-  if eos_scale != 1.0:
-    params = jax.tree_util.tree_map(lambda x: x, params)  # new containers, shared leaves
-    dense = params['decoder']['logits_dense']
-    dense['kernel'] = dense['kernel'].at[:, EOS_ID].multiply(eos_scale)
-  return kernel_layout.transposed_kernels({'params': params})
 
 
 @functools.cache
@@ -128,12 +119,17 @@ LENGTHS = (0, 3, 7, 4, MAX_LEN)
 ACCEPTS = (99, 0, 1, 2, 0)
 
 
-@functools.cache
-def _encoder_tokens():
-  tokens = np.random.default_rng(0).integers(2, VOCAB, (len(ENCODER_LENGTHS), 7))
-  for row, length in enumerate(ENCODER_LENGTHS):
+def _padded_tokens(lengths, width, seed):
+  """[len(lengths), width] random encoder tokens, row r 0-padded after lengths[r]."""
+  tokens = np.random.default_rng(seed).integers(2, VOCAB, (len(lengths), width))
+  for row, length in enumerate(lengths):
     tokens[row, length:] = 0
   return tokens.astype(np.int32)
+
+
+@functools.cache
+def _encoder_tokens():
+  return _padded_tokens(ENCODER_LENGTHS, 7, seed=0)
 
 
 @jax.jit
@@ -315,10 +311,7 @@ GAMMA = 4
 
 @functools.cache
 def _decode_encoder_tokens():
-  tokens = np.random.default_rng(1).integers(2, VOCAB, (len(DECODE_ENCODER_LENGTHS), 10))
-  for row, length in enumerate(DECODE_ENCODER_LENGTHS):
-    tokens[row, length:] = 0
-  return tokens.astype(np.int32)
+  return _padded_tokens(DECODE_ENCODER_LENGTHS, 10, seed=1)
 
 
 @functools.cache
@@ -328,18 +321,11 @@ def _baseline(sampling=GREEDY):
 
 
 @dataclasses.dataclass(frozen=True)
-class _CaughtUp(Drafter):
+class _CaughtUp(WrappedDrafter):
   """`inner` consuming every committed input before each proposal (_consumed), so its
   cache never holds a stale slot whatever it was called with before: a reference for
   what a T5 proposer proposes from the inputs alone."""
   inner: T5Drafter
-
-  @property
-  def vocab_size(self):
-    return self.inner.vocab_size
-
-  def init_state(self, params, encoder_tokens, max_length):
-    return self.inner.init_state(params, encoder_tokens, max_length)
 
   def propose(self, params, state, context, gamma, sampling, keys):
     width = min(context.tokens.shape[1], state.max_length)
