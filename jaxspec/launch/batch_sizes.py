@@ -104,12 +104,8 @@ def main(argv: list[str] | None = None):
   parser.add_argument('--gin_file', default=DEFAULT_GIN_FILE)
   parser.add_argument('--batch_sizes', type=bench_output.int_list,
                       default=[1, 2, 4, 8, 16, 32])
-  parser.add_argument('--temperatures', default='0,1',
-                      type=bench_output.float_list)
   parser.add_argument('--num_examples', type=int, default=256)
-  parser.add_argument('--output_dir', default='results/batch_sizes')
-  parser.add_argument('--name', default=None,
-                      help='file name of the results (default: the machine, slugged)')
+  bench_output.add_run_flags(parser, 'results/batch_sizes')
   args, extra = parser.parse_known_args(argv)
   if any(not flag.startswith('--gin') for flag in extra):
     parser.error(f'unknown flags {extra}')

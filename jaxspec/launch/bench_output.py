@@ -1,5 +1,5 @@
 """What the side-by-side benchmark launchers (jaxspec-batch-sizes, jaxspec-staged-bench)
-share: their flags' list values, the results' file name, each record's provenance and
+share: their common flags and list values, the results' file name, each record's provenance and
 the JSON and markdown files it is written to."""
 
 from __future__ import annotations
@@ -20,6 +20,14 @@ def int_list(text: str) -> list[int]:
 def float_list(text: str) -> list[float]:
   """'0,1' -> [0.0, 1.0] (a flag's value)."""
   return [float(x) for x in text.split(',') if x]
+
+
+def add_run_flags(parser, output_dir: str):
+  """The flags every benchmark launcher shares: --temperatures, --output_dir, --name."""
+  parser.add_argument('--temperatures', default='0,1', type=float_list)
+  parser.add_argument('--output_dir', default=output_dir)
+  parser.add_argument('--name', default=None,
+                      help='file name of the results (default: the machine, slugged)')
 
 
 def machine_name() -> str:

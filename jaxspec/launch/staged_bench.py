@@ -260,12 +260,8 @@ def main(argv: list[str] | None = None):
   parser.add_argument('--gamma', type=int, default=9,
                       help='gamma of both speculative decoders')
   parser.add_argument('--lookaheads', type=bench_output.int_list, default=[1, 2, 3])
-  parser.add_argument('--temperatures', default='0,1',
-                      type=bench_output.float_list)
   parser.add_argument('--repeats', type=int, default=2)
-  parser.add_argument('--output_dir', default='results/staged')
-  parser.add_argument('--name', default=None,
-                      help='file name of the results (default: the machine, slugged)')
+  bench_output.add_run_flags(parser, 'results/staged')
   args = parser.parse_args(argv)
   name = args.name or bench_output.machine_name()
   run(num_examples=args.num_examples, gamma=args.gamma, lookaheads=args.lookaheads,

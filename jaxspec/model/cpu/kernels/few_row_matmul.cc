@@ -57,10 +57,10 @@ constexpr int64_t kLineBytes = 64;
 
 // Accumulates w rows o..o+R-1 against x rows n..n+C-1 over i in [0, in8) into
 // acc[r * kMaxRows + n + c]: R x C accumulators in registers, each w vector loaded once
-// for C rows. With kPrefetch, w rows o+R+r for r = pass, pass + passes, ... (this pass's
-// share of the next output block) are fetched into L2 meanwhile, so that the next output
-// block computes on cached w instead of waiting for memory.
-template <int R, int C, bool kPrefetch>
+// for C rows. Meanwhile w rows o+R+r for r = pass, pass + passes, ... (this pass's
+// share of the next output block) are fetched into L2, so that the next output block
+// computes on cached w instead of waiting for memory.
+template <int R, int C>
 inline void Block(const float* x, const float* w, Vec* acc, int64_t in, int64_t in8,
                   int64_t o, int64_t n, int pass = 0, int passes = 1) {
   Vec a[R][C];
@@ -71,7 +71,7 @@ inline void Block(const float* x, const float* w, Vec* acc, int64_t in, int64_t 
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = Zero();
   for (int64_t i = 0; i < in8; i += kVecLanes) {
-    if (kPrefetch && i % kFloatsPerLine == 0) {
+    if (i % kFloatsPerLine == 0) {
       // Prefetches never fault: past the last row of w they fetch nothing useful.
       for (int r = pass; r < R; r += passes)
         _mm_prefetch(reinterpret_cast<const char*>(wr[r] + R * in + i), _MM_HINT_T1);
@@ -88,14 +88,14 @@ inline void Block(const float* x, const float* w, Vec* acc, int64_t in, int64_t 
 }
 
 // Block<R, count> for count in 1..C.
-template <int R, int C, bool kPrefetch>
+template <int R, int C>
 inline void BlockOf(int count, const float* x, const float* w, Vec* acc, int64_t in,
                     int64_t in8, int64_t o, int64_t n, int pass = 0, int passes = 1) {
   if constexpr (C > 1) {
     if (count < C)
-      return BlockOf<R, C - 1, kPrefetch>(count, x, w, acc, in, in8, o, n, pass, passes);
+      return BlockOf<R, C - 1>(count, x, w, acc, in, in8, o, n, pass, passes);
   }
-  Block<R, C, kPrefetch>(x, w, acc, in, in8, o, n, pass, passes);
+  Block<R, C>(x, w, acc, in, in8, o, n, pass, passes);
 }
 
 // y[:, o..o+R) for all rows, C rows of x at a time.
@@ -114,7 +114,7 @@ void OutputBlock(const float* x, const float* w, float* y, int64_t rows, int64_t
   for (int pass = 0; pass < passes; ++pass) {
     const int64_t n = pass * per_pass;
     const int count = static_cast<int>(std::min<int64_t>(per_pass, rows - n));
-    BlockOf<R, C, true>(count, x, w, acc, in, in8, o, n, pass, passes);
+    BlockOf<R, C>(count, x, w, acc, in, in8, o, n, pass, passes);
   }
   for (int r = 0; r < R; ++r) {
     const float* wr = w + (o + r) * in;
@@ -459,7 +459,8 @@ inline void Int8Block(const QuantizedRows& xq, const int8_t* w, int32_t* sums, i
 }
 #else
 // Integer sums of w rows o..o+R-1 against quantized rows n..n+C-1 into
-// sums[r * kMaxRows + n + c]; kPrefetch as in Block.
+// sums[r * kMaxRows + n + c]; with kPrefetch (the first rows of an output block), the
+// weights Int8AheadBytes ahead are fetched into L2 meanwhile.
 template <int R, int C, bool kPrefetch>
 inline void Int8Block(const QuantizedRows& xq, const int8_t* w, int32_t* sums, int64_t in,
                       int64_t o, int64_t n) {
