@@ -1,6 +1,6 @@
 """What the side-by-side benchmark launchers (jaxspec-batch-sizes, jaxspec-staged-bench)
-share: their common flags and list values, the results' file name, each record's provenance and
-the JSON and markdown files it is written to."""
+share: their common flags and list values, the results' file name, each record's
+provenance and the JSON and markdown files it is written to."""
 
 from __future__ import annotations
 
