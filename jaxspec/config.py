@@ -52,6 +52,16 @@ class T5Config:
   # Products of a few positions with transposed kernels or the embedding on CPU:
   # 'kernel' (jaxspec.model.cpu.matmul's few-row kernel, where it applies) or 'xla'.
   cpu_matmul: str = CPU_MATMUL_KERNEL
+  # Fixed-width decode steps (0: off). Every cached decode step of fewer positions runs
+  # over this many, the rest padding whose logits are dropped, and the self-attention
+  # reads every key at its own cache slot. Then a speculative verify step computes each
+  # position with the very shapes of the baseline's one-position steps, so XLA's products
+  # round alike and greedy outputs stay the baseline's token for token in bfloat16 and on
+  # accelerators (docs/design.md, "Exactness, and where floating point can bite"). Set
+  # it to the widest verify step (gamma + 1) in the target config both decoders share;
+  # nearly free where a step is memory-bound (a GPU, a TPU), not on a CPU, whose float32
+  # kernels are exact without it.
+  decode_positions: int = dataclasses.field(default=0, metadata=OMIT_AT_DEFAULT)
   # Training only (T5X's dropout_rate): the rate at which a T5 built with
   # deterministic=False drops activations (jaxspec.model.t5); decoding never drops.
   dropout_rate: float = dataclasses.field(default=0.0, metadata=OMIT_AT_DEFAULT)
@@ -68,6 +78,8 @@ class T5Config:
     jnp.dtype(self.dtype)
     jnp.dtype(self.param_dtype)
     check_cpu_matmul(self.cpu_matmul)
+    if self.decode_positions < 0:
+      raise ValueError(f'decode_positions must be >= 0 (0: off), got {self.decode_positions}')
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f'dropout_rate must be in [0, 1), got {self.dropout_rate}')
 

@@ -95,6 +95,23 @@ def check_gamma(gamma: int, max_decode_length: int):
         f'gamma <= {max_decode_length - 1}')
 
 
+def check_decode_positions(config, widest_step: int, num_drafts: int = 1):
+  """The target's fixed-width steps (T5Config.decode_positions) must cover its widest
+  verify step, or that step would round differently from the baseline's."""
+  width = config.decode_positions
+  if not width:
+    return
+  if num_drafts > 1:
+    raise ValueError(f'T5Config.decode_positions ({width}) fixes the width of sequence '
+                     f'steps; a token tree of num_drafts={num_drafts} branches is not padded '
+                     'to it: use decode_positions=0 or num_drafts=1')
+  if widest_step > width:
+    raise ValueError(f'T5Config.decode_positions ({width}) is narrower than the target\'s '
+                     f'verify step of {widest_step} positions (gamma + 1), whose rows would '
+                     f'then round unlike the baseline\'s steps: set it to at least '
+                     f'{widest_step}, or gamma to at most {width - 1}')
+
+
 def check_nonfinite_action(action: str):
   if action not in NONFINITE_ACTIONS:
     raise ValueError(f'on_nonfinite must be one of {NONFINITE_ACTIONS}, got {action!r}')

@@ -594,6 +594,7 @@ def speculative_generate(target_params, drafter_params, encoder_tokens, rng=None
   validation.check_encoder_tokens(encoder_tokens, target_config.vocab_size)
   validation.check_max_decode_length(max_decode_length)
   validation.check_gamma(spec.gamma, max_decode_length)
+  validation.check_decode_positions(target_config, spec.gamma + 1, spec.num_drafts)
   validation.check_nonfinite_action(on_nonfinite)
   validation.check_decoder_memory(
       encoder_tokens, config=target_config, max_decode_length=max_decode_length,

@@ -107,6 +107,11 @@ def _parse_args(argv):
                       help="T5Config.cpu_matmul: 'xla' (default) runs what an accelerator "
                       "runs on a CPU too; 'kernel' lets a CPU use jaxspec's kernel "
                       '(inert off-CPU either way)')
+  parser.add_argument('--decode_positions', default='gamma',
+                      help="the target's T5Config.decode_positions in parts d and e, a "
+                      "comma-separated list (part d runs each; e the last): 0 (steps as "
+                      "wide as their tokens) or a width; 'gamma' is gamma + 1, the width "
+                      'that keeps greedy outputs identical (default)')
   parser.add_argument('--seed', type=int, default=0)
   args = parser.parse_args(argv)
   args.parts = [p for p in args.parts.split(',') if p]
@@ -129,6 +134,14 @@ def _parse_args(argv):
     parser.error('positions must be >= 2 and batch sizes >= 1')
   if args.gamma < 1:
     parser.error('gamma must be >= 1')
+  try:
+    args.decode_positions = [args.gamma + 1 if w == 'gamma' else int(w)
+                             for w in args.decode_positions.split(',') if w]
+  except ValueError:
+    parser.error(f"--decode_positions takes integers or 'gamma', got {args.decode_positions!r}")
+  if not args.decode_positions or any(
+      w != 0 and w < args.gamma + 1 for w in args.decode_positions):
+    parser.error(f'--decode_positions: each 0 or at least gamma + 1 = {args.gamma + 1}')
   args.repeats = args.repeats or (3 if args.tiny else 10)
   args.loop_size = args.loop_size or args.sizes[0]
   if not args.tiny and args.loop_size not in TARGET_SIZES:
@@ -423,42 +436,47 @@ def part_end_to_end(run: Run) -> dict:
     models = _models(run, dtype)
     out['pair'], out['max_decode_length'] = models.name, models.max_decode_length
     draft_config, draft_params = models.drafts['small']
-    for batch in args.batch_sizes:
-      for temperature in TEMPERATURES:
-        if not run.budget.allows(estimate):
-          out['skipped'].append({'dtype': dtype, 'batch': batch, 'temperature': temperature,
-                                 'reason': 'over the part budget'})
-          continue
-        start = time.perf_counter()
-        try:
-          results, first, tokens = accelerator.end_to_end(
-              models.target_params, models.target_config,
-              {'small': (T5Drafter(draft_config), draft_params)}, models.inputs, batch=batch,
-              temperature=temperature, gamma=args.gamma,
-              max_decode_length=models.max_decode_length, repeats=args.repeats,
-              seed=args.seed)
-          row = {'dtype': dtype, 'batch': batch, 'temperature': temperature,
-                 'baseline': results['baseline'], 'speculative': results['small'],
-                 'first_calls_s': first}
-          if temperature == 0.0:
-            greedy_tokens.setdefault(dtype, tokens['baseline'])
-        except Exception as error:  # noqa: BLE001
-          row = dict(_error(error), dtype=dtype, batch=batch, temperature=temperature)
-        row['seconds'] = estimate = time.perf_counter() - start
-        out['rows'].append(row)
-        if 'speculative' in row:
-          spec = row['speculative']
-          print(f"d: {dtype} batch {batch} T={temperature}: baseline "
-                f"{row['baseline']['tokens_per_s']:.0f} tokens/s, speculative "
-                f"{spec['tokens_per_s']:.0f} tokens/s ({spec['speedup']:.2f}x, alpha "
-                f"{spec['alpha']:.2f}, identical {spec['identical_outputs']})", flush=True)
-        run.write()
+    for width in args.decode_positions:
+      target_config = models.target_config.replace(decode_positions=width)
+      for batch in args.batch_sizes:
+        for temperature in TEMPERATURES:
+          settings = {'dtype': dtype, 'decode_positions': width, 'batch': batch,
+                      'temperature': temperature}
+          if not run.budget.allows(estimate):
+            out['skipped'].append(dict(settings, reason='over the part budget'))
+            continue
+          start = time.perf_counter()
+          try:
+            results, first, tokens = accelerator.end_to_end(
+                models.target_params, target_config,
+                {'small': (T5Drafter(draft_config), draft_params)}, models.inputs,
+                batch=batch, temperature=temperature, gamma=args.gamma,
+                max_decode_length=models.max_decode_length, repeats=args.repeats,
+                seed=args.seed)
+            row = dict(settings, baseline=results['baseline'], speculative=results['small'],
+                       first_calls_s=first)
+            if temperature == 0.0:
+              greedy_tokens.setdefault(dtype, tokens['baseline'])
+          except Exception as error:  # noqa: BLE001
+            row = dict(_error(error), **settings)
+          row['seconds'] = estimate = time.perf_counter() - start
+          out['rows'].append(row)
+          if 'speculative' in row:
+            spec = row['speculative']
+            print(f"d: {dtype} steps {width or '-'} batch {batch} T={temperature}: baseline "
+                  f"{row['baseline']['tokens_per_s']:.0f} tokens/s, speculative "
+                  f"{spec['tokens_per_s']:.0f} tokens/s ({spec['speedup']:.2f}x, alpha "
+                  f"{spec['alpha']:.2f}, identical {spec['identical_outputs']})", flush=True)
+          run.write()
   if len(greedy_tokens) == 2:
     a, b = (greedy_tokens[d] for d in DTYPES)
     out['greedy_rows_equal_across_dtypes'] = int(np.sum(np.all(a == b, axis=1)))
-  greedy = [row['speculative']['identical_outputs'] for row in out['rows']
-            if row.get('temperature') == 0.0 and 'speculative' in row]
-  out['greedy_identical'] = all(greedy) if greedy else None
+  out['greedy_identical'] = {}  # per decode_positions: every greedy row's verdict
+  for width in args.decode_positions:
+    greedy = [row['speculative']['identical_outputs'] for row in out['rows']
+              if row.get('temperature') == 0.0 and 'speculative' in row
+              and row['decode_positions'] == width]
+    out['greedy_identical'][str(width)] = all(greedy) if greedy else None
   return out
 
 
@@ -466,9 +484,10 @@ def part_drafters(run: Run) -> dict:
   args = run.args
   names = ('small',) if args.tiny else ('small', 'base')
   models = _models(run, 'bfloat16', names)
-  config, params = models.target_config, models.target_params
+  config = models.target_config.replace(decode_positions=args.decode_positions[-1])
+  params = models.target_params
   out = {'pair': models.name, 'dtype': 'bfloat16', 'batch': 1, 'gamma': args.gamma,
-         'drafters': {}, 'skipped': []}
+         'decode_positions': config.decode_positions, 'drafters': {}, 'skipped': []}
   run.record['parts'][PART_NAMES['e']] = out
   int8 = Int8Drafter(config)
   drafters = {name: (T5Drafter(c), p) for name, (c, p) in models.drafts.items()}
@@ -546,6 +565,15 @@ def _x(value) -> str:
 
 def _pct(value) -> str:
   return '-' if value is None else f'{value:.0%}'
+
+
+def _identical_by_width(part: dict) -> str:
+  """Part d's greedy verdicts: one per decode_positions (a bare verdict in records made
+  before the setting)."""
+  verdicts = part.get('greedy_identical')
+  if not isinstance(verdicts, dict):
+    return _fmt(verdicts)
+  return ', '.join(f"{_fmt(v)} (steps {int(w) or '-'})" for w, v in verdicts.items())
 
 
 def markdown(record: dict) -> str:
@@ -634,20 +662,22 @@ def markdown(record: dict) -> str:
     lines += ['## d. End to end', '',
               f"{d.get('pair', '-')}, small draft, gamma {d['gamma']}, {d['examples']} "
               f"inputs, max_decode_length {d.get('max_decode_length', '-')}; greedy outputs "
-              f"identical to the baseline's in every dtype: {_fmt(d.get('greedy_identical'))}"
+              f"identical to the baseline's in every dtype: {_identical_by_width(d)}"
               + (f"; greedy rows equal across bfloat16 and float32: "
                  f"{d['greedy_rows_equal_across_dtypes']}/{d['examples']}"
-                 if 'greedy_rows_equal_across_dtypes' in d else '') + '.', '',
-              '| dtype | batch | T | baseline tokens/s | speculative tokens/s | speedup | '
-              'alpha | tokens per target call | identical |', '|---' * 9 + '|']
+                 if 'greedy_rows_equal_across_dtypes' in d else '') + '. Steps: the '
+              "target's decode_positions (- : each step as wide as its tokens).", '',
+              '| dtype | steps | batch | T | baseline tokens/s | speculative tokens/s | '
+              'speedup | alpha | tokens per target call | identical |', '|---' * 10 + '|']
     for row in d['rows']:
+      steps = row.get('decode_positions') or '-'
       if 'speculative' not in row:
-        lines.append(f"| {row['dtype']} | {row['batch']} | {row['temperature']} | "
+        lines.append(f"| {row['dtype']} | {steps} | {row['batch']} | {row['temperature']} | "
                      f"{row.get('error', '-')} |")
         continue
       spec = row['speculative']
       lines.append(
-          f"| {row['dtype']} | {row['batch']} | {row['temperature']} | "
+          f"| {row['dtype']} | {steps} | {row['batch']} | {row['temperature']} | "
           f"{row['baseline']['tokens_per_s']:.0f} | {spec['tokens_per_s']:.0f} | "
           f"{spec['speedup']:.2f}x | {spec['alpha']:.3f} | "
           f"{spec['tokens_per_target_call']:.2f} | {_fmt(spec['identical_outputs'])} |")
@@ -657,7 +687,8 @@ def markdown(record: dict) -> str:
   e = parts.get(PART_NAMES['e'])
   if e:
     lines += ['## e. Drafters on this device', '',
-              f"{e['pair']}, bfloat16, batch 1, gamma {e['gamma']}; target step "
+              f"{e['pair']}, bfloat16, batch 1, gamma {e['gamma']}, target steps "
+              f"{e.get('decode_positions') or 'as wide as their tokens'}; target step "
               f"{_fmt(e.get('step_ms'))} ms, V(gamma + 1) = {_fmt(e.get('verify_cost'), '.2f')}; "
               'c = proposal / (gamma x target step).', '',
               '| drafter | proposal | c | T | alpha | speedup | predicted | identical |',

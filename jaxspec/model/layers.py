@@ -282,7 +282,8 @@ class MultiHeadAttention(nn.Module):
     [b,t,h,d] attends over them -> ([b, t, e], keys, values)
     (jaxspec.model.cpu.attention.attend_and_write)."""
     out, keys, values = cpu_attention.attend_and_write(
-        query, new_keys, new_values, keys, values, bias, starts, self.config.cpu_matmul)
+        query, new_keys, new_values, keys, values, bias, starts, self.config.cpu_matmul,
+        keys_in_slots=self.config.decode_positions > 0 and self.role == TARGET)
     out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
     return constrain(self.out(out), EMBED_AXES, self.role), keys, values
 

@@ -182,7 +182,21 @@ class Decoder(nn.Module):
 
     tree: the new tokens form a DecodeTree (positions by depth, ancestor mask) instead
     of a sequence; they are still written at slots end_index + 0..t-1.
+
+    With config.decode_positions = w > t (a target's, no tree) the step runs over w
+    positions, the last w - t padding: their keys and values land in slots past the new
+    end_index (stale slots, rewritten before any query sees them, or dropped past the
+    buffer) and their logits are dropped.
     """
+    num_new = decoder_tokens.shape[1]
+    width = self.config.decode_positions if self.role == TARGET else 0  # drafts: as they are
+    if tree is None and num_new < width:
+      padded = jnp.pad(decoder_tokens, ((0, 0), (0, width - num_new)))  # [b, w]
+      logits, new_cache = self._step(padded, cache, None)
+      return logits[:, :num_new], new_cache.replace(end_index=cache.end_index + num_new)
+    return self._step(decoder_tokens, cache, tree)
+
+  def _step(self, decoder_tokens, cache: DecoderCache, tree: DecodeTree | None):
     num_new = decoder_tokens.shape[1]
     write_positions = cache.end_index[:, None] + jnp.arange(num_new)[None, :]  # [b, t]
     if tree is None:

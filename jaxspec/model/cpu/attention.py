@@ -101,15 +101,28 @@ def cached_attention(query, keys, values, bias, num_keys=None,
   return xla_cached_attention(query, keys, values, bias)
 
 
-def xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts):
+def xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts,
+                         keys_in_slots: bool = False):
   """attend_and_write through XLA: the queries attend over the cache as it was (its
   slots from starts[b] on masked) and over the step's own keys/values, then the
   step's keys/values are written (cache.write_all) as the buffers' last use in the step,
   so XLA updates them in place: attending after the write made it copy the buffers
-  whole at every step of a one-row decode loop."""
+  whole at every step of a one-row decode loop.
+
+  keys_in_slots: the queries attend over copies of the buffers with the step's own
+  keys/values placed in their slots (slots_with_new), one product over the L slots, so
+  every key is summed in its slot's place whichever step brought it; the written
+  buffers are still the buffers' last use."""
   steps, length = query.shape[1], keys.shape[3]
   new_keys, new_values = new_keys.astype(keys.dtype), new_values.astype(values.dtype)
   slots = starts[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]  # [b, t]
+  if keys_in_slots:
+    logits = jnp.einsum('bthd,bhds->bhts', query, slots_with_new(keys, new_keys, starts),
+                        preferred_element_type=jnp.float32) + bias  # [b, h, t, L]
+    weights = jax.nn.softmax(logits, axis=-1).astype(values.dtype)
+    out = jnp.einsum('bhts,bhds->bthd', weights, slots_with_new(values, new_values, starts),
+                     preferred_element_type=jnp.float32).astype(values.dtype)
+    return (out,) + _write_after(out, keys, values, new_keys, new_values, slots)
   cached = jnp.arange(length, dtype=jnp.int32)[None, :] < starts[:, None]  # [b, L]
   cached_bias = jnp.where(cached[:, None, None, :], bias, NEG_INF)  # [b, h|1, t, L]
   # The bias of the step's own slots; a slot past the buffer is dropped, as its write.
@@ -127,14 +140,31 @@ def xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts
                     preferred_element_type=jnp.float32)
          + jnp.einsum('bhts,bshd->bthd', weights[..., length:], new_values,
                       preferred_element_type=jnp.float32)).astype(values.dtype)
-  # XLA updates the buffers in place only where it sees every read of them ordered
-  # before the write; a write whose operands do not depend on the reads made it copy
-  # both buffers whole at every step. So the write's positions depend on `out` (they
-  # are dropped past the buffer if `out` is NaN, never otherwise).
+  return (out,) + _write_after(out, keys, values, new_keys, new_values, slots)
+
+
+def _write_after(out, keys, values, new_keys, new_values, slots):
+  """(keys, values) [b,h,d,L] with new_keys/new_values [b,t,h,d] written at slots [b, t],
+  the write made to depend on the attention's output `out`: XLA updates the buffers in
+  place only where it sees every read of them ordered before the write, and a write
+  whose operands did not depend on the reads made it copy both buffers whole at every
+  step. The slots are dropped past the buffer if `out` is NaN, never otherwise."""
   read = jnp.sum(out)
-  slots = jnp.where(read == read, slots, length)
-  keys, values = cache_lib.write_all((keys, values), (new_keys, new_values), slots)
-  return out, keys, values
+  slots = jnp.where(read == read, slots, keys.shape[3])
+  return cache_lib.write_all((keys, values), (new_keys, new_values), slots)
+
+
+def slots_with_new(buffer, new, starts):
+  """buffer [b,h,d,L] with new [b,t,h,d] in slots starts[b] + 0..t-1 (those past L
+  dropped), as a fresh array: a select between the buffer and a gather of `new`, which
+  leaves the buffer itself to the step's write."""
+  steps, length = new.shape[1], buffer.shape[3]
+  offset = jnp.arange(length, dtype=jnp.int32)[None, :] - starts[:, None]  # [b, L]
+  is_new = (offset >= 0) & (offset < steps)  # [b, L]
+  index = jnp.broadcast_to(jnp.clip(offset, 0, steps - 1)[:, None, None, :],
+                           buffer.shape)  # [b, h, d, L]
+  placed = jnp.take_along_axis(jnp.transpose(new, (0, 2, 3, 1)), index, axis=3)
+  return jnp.where(is_new[:, None, None, :], placed, buffer)
 
 
 def applies_write(query, new_keys, new_values, keys, values, bias) -> bool:
@@ -165,13 +195,18 @@ def _kernel_attend_and_write_jvp(primals, tangents):
 
 
 def attend_and_write(query, new_keys, new_values, keys, values, bias, starts,
-                     cpu_matmul_setting: str = cpu_matmul.KERNEL):
+                     cpu_matmul_setting: str = cpu_matmul.KERNEL, keys_in_slots: bool = False):
   """query [b,t,h,d] with the step's new keys/values [b,t,h,d] written into keys/values
   [b,h,d,L] at slots starts[b] + 0..t-1 (dropped past L), then attending with bias
   [b,h|1,t,L], which must mask every slot past a query's own position ->
-  (out [b,t,h,d], keys, values)."""
+  (out [b,t,h,d], keys, values).
+
+  keys_in_slots (T5Config.decode_positions > 0): through XLA, every key sits at its own
+  slot in the products (xla_attend_and_write), so a query's result does not depend on
+  which keys its step brought; the kernel does so always."""
   starts = jnp.asarray(starts, jnp.int32)
   if (applies_write(query, new_keys, new_values, keys, values, bias)
       and cpu_matmul.use_kernel(cpu_matmul_setting)):
     return kernel_attend_and_write(query, new_keys, new_values, keys, values, bias, starts)
-  return xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts)
+  return xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts,
+                              keys_in_slots)
