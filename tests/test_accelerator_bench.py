@@ -117,6 +117,12 @@ def test_flags_are_checked():
   assert args.parts == ['a', 'e'] and args.positions == [2, 9] and args.batch_sizes == [1, 8]
   tiny = accelerator_bench._parse_args(['--tiny'])
   assert tiny.sizes == ['tiny'] and tiny.batch_sizes == [1] and tiny.positions == [2, 4]
+  assert tiny.decode_positions == [4]  # gamma 3 + 1
+  widths = accelerator_bench._parse_args(['--gamma=2', '--decode_positions=0,gamma,5'])
+  assert widths.decode_positions == [0, 3, 5]
+  for narrow in ('2', 'four'):  # narrower than gamma + 1; not a width
+    with pytest.raises(SystemExit):
+      accelerator_bench._parse_args([f'--decode_positions={narrow}'])
 
 
 def test_a_spent_budget_skips_every_part_and_still_writes(tmp_path):
@@ -230,9 +236,12 @@ def test_table2_from_the_measured_costs(tiny_run):
 
 def test_end_to_end(tiny_run):
   record = tiny_run[0]['parts'][NAMES['d']]
-  assert record['skipped'] == [] and record['greedy_identical'] is True
-  grid = {(r['dtype'], r['batch'], r['temperature']) for r in record['rows']}
-  assert grid == {(d, b, t) for d in ('bfloat16', 'float32') for b in (1,) for t in (0.0, 1.0)}
+  # One width by default: gamma + 1 (T5Config.decode_positions), greedy rows identical.
+  assert record['skipped'] == [] and record['greedy_identical'] == {'4': True}
+  grid = {(r['dtype'], r['decode_positions'], r['batch'], r['temperature'])
+          for r in record['rows']}
+  assert grid == {(d, 4, b, t) for d in ('bfloat16', 'float32') for b in (1,)
+                  for t in (0.0, 1.0)}
   for row in record['rows']:
     baseline, spec = row['baseline'], row['speculative']
     assert _positive(baseline['tokens_per_s']) and _positive(spec['tokens_per_s'])

@@ -6,7 +6,8 @@
 - The compiled speculative loop moves nothing to or from the host per iteration: no host
   callback, infeed, outfeed, send or recv (and no custom call at all) in its optimized
   HLO; the loop's caches are updated in place: batch > 1 by scatters, batch 1 by
-  dynamic update slices into the loop state, and no copy of a cache buffer inside it. The API
+  dynamic update slices into the loop state, and no copy of a cache buffer inside it (with
+  fixed-width target steps, T5Config.decode_positions, too). The API
   donates nothing: every decode buffer is made inside the jitted call (no argument has
   a cache buffer's shape, the entry computation aliases no input to an output).
 - The int8 self-draft decodes through plain XLA (cpu_matmul='xla'), and speculative
@@ -187,10 +188,12 @@ def _whole_buffer_copies(found, body, shape):
 
 
 @functools.cache
-def _compiled_loop(batch):
+def _compiled_loop(batch, decode_positions=0):
   """Optimized HLO of the speculative loop through plain XLA (cpu_matmul='xla'), a T5
-  draft, greedy: (text, target config, max_decode_length)."""
-  target = get_config('test_tiny_1_1', cpu_matmul='xla', **ONE_LAYER)
+  draft, greedy, the target's steps of decode_positions: (text, target config,
+  max_decode_length)."""
+  target = get_config('test_tiny_1_1', cpu_matmul='xla', decode_positions=decode_positions,
+                      **ONE_LAYER)
   draft = get_config('test_tiny_1_0', cpu_matmul='xla', **ONE_LAYER)
   lowered = _lowered_speculative_loop(target, T5Drafter(draft), _params(target, 0),
                                       _params(draft, 1), batch, 16)
@@ -226,8 +229,11 @@ def test_the_loop_state_holds_the_caches_made_inside_the_call():
   assert state, 'the decode loop carries no cache buffer'
 
 
-def test_batched_caches_are_scattered_in_place_inside_the_loop():
-  text, config, max_decode_length = _compiled_loop(2)
+# Fixed-width steps (T5Config.decode_positions) attend over copies of the buffers with
+# the step's keys in their slots and still write the buffers in place.
+@pytest.mark.parametrize('decode_positions', [0, GAMMA + 1])
+def test_batched_caches_are_scattered_in_place_inside_the_loop(decode_positions):
+  text, config, max_decode_length = _compiled_loop(2, decode_positions)
   found, body = _loop_body(text)
   shape = _cache_shape(config, 2, max_decode_length)
   # A scatter, or the loop of dynamic-update-slices XLA expands it into on the CPU.
@@ -238,8 +244,9 @@ def test_batched_caches_are_scattered_in_place_inside_the_loop():
   assert _whole_buffer_copies(found, body, shape) == []
 
 
-def test_single_row_caches_update_in_place_inside_the_loop():
-  text, config, max_decode_length = _compiled_loop(1)
+@pytest.mark.parametrize('decode_positions', [0, GAMMA + 1])
+def test_single_row_caches_update_in_place_inside_the_loop(decode_positions):
+  text, config, max_decode_length = _compiled_loop(1, decode_positions)
   found, body = _loop_body(text)
   shape = _cache_shape(config, 1, max_decode_length)
   in_place = [line for name in body for line in found[name]

@@ -136,6 +136,45 @@ def test_infer_writes_records_and_summary(tiny_checkpoints):
   assert json.loads((tmp_path / 'out' / 'summary.json').read_text())['examples'] == 5
 
 
+def test_infer_in_bfloat16_decodes_with_fixed_width_target_steps(tiny_checkpoints):
+  tmp_path = tiny_checkpoints
+  _parse(tmp_path, _infer_config(tmp_path),
+         ["tiny_target/jaxspec.T5Config.dtype = 'bfloat16'"])
+  summary = infer_script.infer()
+  assert summary['examples'] == 5 and summary['identical_outputs'] == 5
+  settings = json.loads((tmp_path / 'out' / 'settings.json').read_text())
+  assert '"decode_positions": 3' in json.dumps(settings)  # gamma 2 + 1
+
+
+@pytest.mark.parametrize('dtype, cpu_matmul, setting, decoders, num_drafts, expected', [
+    ('bfloat16', 'kernel', 'auto', ('baseline', 'speculative'), 1, 4),
+    ('float32', 'xla', 'auto', ('speculative',), 1, 4),
+    ('float32', 'kernel', 'auto', ('baseline', 'speculative'), 1, 0),  # the kernels are exact
+    ('float32', 'kernel', 'on', ('baseline', 'speculative'), 1, 4),
+    ('bfloat16', 'kernel', 'off', ('baseline', 'speculative'), 1, 0),
+    ('bfloat16', 'kernel', 'auto', ('baseline', 'speculative'), 2, 0),  # trees: not padded
+    ('bfloat16', 'kernel', 'auto', ('baseline',), 1, 0),  # nothing verifies
+    ('bfloat16', 'kernel', 'auto', ('beam', 'speculative_beam'), 1, 3),
+])
+def test_fixed_width_steps_where_xla_rounds_the_target(dtype, cpu_matmul, setting, decoders,
+                                                       num_drafts, expected):
+  from jaxspec.config import get_config  # pylint: disable=import-outside-toplevel
+  from jaxspec.decoding.speculative import SpeculativeConfig  # pylint: disable=import-outside-toplevel
+  from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig  # pylint: disable=import-outside-toplevel
+  config = get_config('test_tiny_1_1', dtype=dtype, cpu_matmul=cpu_matmul)
+  result = infer_script.with_fixed_width_steps(
+      config, setting, decoders, SpeculativeConfig(gamma=3, num_drafts=num_drafts),
+      SpeculativeBeamConfig(gamma=2))
+  assert result.decode_positions == expected
+  assert result.replace(decode_positions=0) == config
+  bound = config.replace(decode_positions=6)  # bound in the config: kept
+  assert infer_script.with_fixed_width_steps(
+      bound, setting, decoders, SpeculativeConfig(gamma=3), SpeculativeBeamConfig()) == bound
+  with pytest.raises(ValueError, match="fixed_width_steps must be one of"):
+    infer_script.with_fixed_width_steps(config, 'yes', decoders, SpeculativeConfig(),
+                                        SpeculativeBeamConfig())
+
+
 def test_infer_reports_each_stage_of_a_staged_drafter(tiny_checkpoints):
   """The int8 draft of the tiny target staged on the tiny T5 draft (its checkpoint as
   the proposer's): outputs the baseline's, each batch's stage counts in the records and

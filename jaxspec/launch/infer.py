@@ -442,6 +442,27 @@ def _beam_gamma_bound(speculative_beam: SpeculativeBeamConfig) -> int:
   return speculative_beam.gamma
 
 
+FIXED_WIDTH_STEPS = ('auto', 'on', 'off')
+
+
+def with_fixed_width_steps(target_model: T5Config, setting: str, decoders,
+                           speculative: SpeculativeConfig,
+                           speculative_beam: SpeculativeBeamConfig) -> T5Config:
+  """The target's config with decode_positions at its widest verify step (gamma + 1;
+  speculative an integer gamma) where `setting` (infer.fixed_width_steps) asks for it."""
+  if setting not in FIXED_WIDTH_STEPS:
+    raise ValueError(f'infer.fixed_width_steps must be one of {FIXED_WIDTH_STEPS}, got '
+                     f'{setting!r}')
+  widths = ([speculative.gamma + 1] if 'speculative' in decoders else []) + (
+      [_beam_gamma_bound(speculative_beam) + 1] if 'speculative_beam' in decoders else [])
+  if setting == 'off' or target_model.decode_positions or not widths:
+    return target_model
+  if setting == 'auto' and (speculative.num_drafts > 1 or (
+      target_model.dtype == 'float32' and cpu_matmul_lib.use_kernel(target_model.cpu_matmul))):
+    return target_model
+  return target_model.replace(decode_positions=max(widths))
+
+
 def check_beam_settings(*, target_model, drafter, decoders, max_decode_length, sampling,
                         beam, speculative_beam, partitioning):
   """The beam decoders' settings: w >= 1 beams, a finite alpha >= 0, a T5 draft with
@@ -693,7 +714,7 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
           input_field: str | None = None, view_examples: int = 0,
           interleave: bool = True,
           auto_gammas: tuple[int, ...] = auto_gamma.DEFAULT_GAMMAS,
-          calibration_dir: str | None = None) -> dict:
+          calibration_dir: str | None = None, fixed_width_steps: str = 'auto') -> dict:
   """Runs the decoders over the split (or input_file) and returns the summary.
 
   overlong_inputs: 'truncate' (as seqio, with a logged warning counting them) or
@@ -730,6 +751,12 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   calibration_dir: where calibrations are kept ($JAXSPEC_CALIBRATION_DIR, default
   ~/.cache/jaxspec/gamma_costs), so later runs of the same pair, machine and batch size
   start from them.
+  fixed_width_steps: 'auto' (default) sets the target's T5Config.decode_positions to its
+  widest verify step where its products go through XLA (an accelerator, bfloat16, or
+  cpu_matmul='xla'), so that greedy outputs stay the baseline's token for token; the
+  CPU's float32 kernels are exact without it, and a token tree (num_drafts > 1) is not
+  padded. 'on' sets it wherever speculation runs, 'off' never; a decode_positions bound
+  in the target's config is kept either way.
   """
   checked_speculative = _checked_speculative(speculative, auto_gammas)
   check_settings(
@@ -746,6 +773,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
     raise ValueError(f'infer.interleave must be True or False, got {interleave!r}')
   # Multi-host initialization must come before anything touches a device.
   partitioner = partitioning_lib.create_partitioner(partitioning) if partitioning else None
+  target_model = with_fixed_width_steps(target_model, fixed_width_steps, decoders,
+                                        checked_speculative, speculative_beam)
   check_memory(target_model, drafter, decoders, batch_size, input_length, max_decode_length,
                checked_speculative, partitioner, beam, speculative_beam)
   if input_file is None:
