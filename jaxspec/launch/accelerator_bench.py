@@ -21,7 +21,8 @@ unused going to the later ones, and the items past a part's deadline skipped and
      (Table 3), the best gamma per row, beside the paper's walltime speedups.
   d  end to end in bfloat16 and float32: the baseline and speculative decoding (the
      --pair's small draft) at each batch size, T=0 and 1, over the first --examples
-     validation inputs: tokens/s, speedup, identical greedy outputs within each dtype.
+     validation inputs: tokens/s, speedup, identical greedy outputs within each dtype;
+     for each of --decode_positions (the target's fixed step width; default gamma + 1).
   e  the drafters that make sense on the device, in bfloat16 at batch 1: the target's
      int8 self-draft through XLA and the trained T5 drafts: c (proposal / gamma target
      steps), alpha and the speedup measured end to end, and the speedup those predict.
