@@ -288,6 +288,59 @@ def test_int8_rows_are_independent_and_xla_runs_where_the_kernel_cannot():
                              rtol=1e-5, atol=1e-5)
 
 
+needs_tiles = pytest.mark.skipif(not cpu_matmul.int8_tiles_apply(),
+                                 reason='the tiled int8 form runs in the AVX-512 VNNI build')
+
+
+def test_tiles_hold_each_weight_where_the_kernel_reads_it():
+  from jaxspec.model.quantization import tile_int8, tileable
+  q = np.arange(128 * 8, dtype=np.int64).reshape(128, 8).astype(np.int8)
+  tiles = tile_int8(q)
+  assert tiles.shape == (2, 2, 64, 4) and tiles.flags['C_CONTIGUOUS']
+  for t, g, j, k in [(0, 0, 0, 0), (1, 0, 5, 3), (0, 1, 63, 2), (1, 1, 17, 1)]:
+    assert tiles[t, g, j, k] == q[64 * t + j, 4 * g + k]
+  np.testing.assert_array_equal(np.asarray(cpu_matmul.untile_int8(jnp.asarray(tiles))), q)
+  assert cpu_matmul.int8_shape(tiles) == (128, 8)
+  assert not tileable(np.zeros((100, 8), np.int8)) and not tileable(np.zeros((64, 6), np.int8))
+
+
+@needs_kernel
+@needs_tiles
+@pytest.mark.parametrize('rows', [1, 2, 4, 5, 9, 32])
+@pytest.mark.parametrize('inputs,outputs', [(512, 2048), (2048, 512), (12, 192)])
+def test_tiled_int8_equals_the_rows_form_bit_for_bit(rows, inputs, outputs):
+  """Tiled weights (outputs in the vector lanes) give the [out, in] form's products bit
+  for bit (the same exact integer sums), for one row (two tiles side by side), blocks of
+  5 rows and a remainder, an odd tile count and an input of 3 groups."""
+  from jaxspec.model.quantization import tile_int8
+  x, w_q, scale = (jnp.asarray(a) for a in _int8_operands(rows, inputs, outputs, seed=rows))
+  tiles = jnp.asarray(tile_int8(np.asarray(w_q)))
+  assert cpu_matmul.applies_int8(x, tiles, scale)
+  expected = np.asarray(_int8_kernel(x, w_q, scale))
+  np.testing.assert_array_equal(np.asarray(_int8_kernel(x, tiles, scale)), expected)
+  np.testing.assert_allclose(np.asarray(cpu_matmul.xla_matmul_int8(x, tiles, scale)), expected,
+                             rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@needs_tiles
+def test_tiled_int8_in_one_call_of_several_matrices_and_with_ended_rows():
+  from jaxspec.model.quantization import tile_int8
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 256)).astype(np.float32))
+  pairs = [tuple(jnp.asarray(a) for a in _int8_operands(1, 256, out, seed=out)[1:])
+           for out in (256, 640, 128)]
+  tiled = [(jnp.asarray(tile_int8(np.asarray(w))), s) for w, s in pairs]
+  rows_form = cpu_matmul.few_row_matmuls_int8(x, pairs)
+  for got, expected in zip(cpu_matmul.few_row_matmuls_int8(x, tiled), rows_form):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+  # A row that ended (row_flags 0) gets zeros, the others their own products.
+  active = jnp.asarray([1, 0, 1], jnp.int32)
+  got = jax.ffi.ffi_call(cpu_matmul.INT8_TARGET_NAME,
+                         jax.ShapeDtypeStruct((3, 256), jnp.float32))(x, *tiled[0], active)
+  expected = np.asarray(rows_form[0]) * np.asarray([[1], [0], [1]], np.float32)
+  np.testing.assert_array_equal(np.asarray(got), expected)
+
+
 @needs_kernel
 @pytest.mark.parametrize('threads_setting', ['spin', 'pool'])
 def test_concurrent_callers_and_either_thread_setting_give_the_same_products(

@@ -175,3 +175,49 @@ def test_coupled_sampling_with_the_int8_draft_is_the_baseline():
       sampling=sampling)
   np.testing.assert_array_equal(through_wrapper.output.tokens, baseline.tokens)
   assert float(through_wrapper.stats.alpha) == float(result.stats.alpha)
+
+
+# Shapes whose every per-step matrix tiles (outputs multiples of 64).
+TILED_CONFIG = get_config('test_tiny_1_1', vocab_size=128, emb_dim=64, num_heads=2,
+                          head_dim=32, mlp_dim=128)
+
+
+def test_tiled_params_hold_the_kernels_tiles_and_decode_bit_for_bit_alike():
+  """int8_decoder(tiled=True) stores every matrix in the kernel's tiles (and a tiled
+  copy of the embedding for the logits); the draft's logits equal the [out, in] form's
+  bit for bit wherever the kernel computes them, and through XLA up to float32 rounding."""
+  from jaxspec.model.cpu import matmul as cpu_matmul
+  target = kernel_layout.transposed_kernels(
+      {'params': init_params(TILED_CONFIG, jax.random.PRNGKey(4))['params']})
+  rows_form = int8_decoder(target, tiled=False)['params']
+  tiled = int8_decoder(target, tiled=True)['params']
+  wo = tiled['decoder']['layers_0']['mlp']['wo']['kernel_int8']
+  assert wo.shape == (1, 32, 64, 4)  # [64, 128] as [out / 64, in / 4, 64, 4]
+  assert tiled['token_embedder']['embedding_int8_tiled'].shape == (2, 16, 64, 4)
+  assert 'embedding_int8_tiled' not in rows_form['token_embedder']
+  np.testing.assert_array_equal(tiled['token_embedder']['embedding_int8'],
+                                rows_form['token_embedder']['embedding_int8'])
+  tokens = jnp.asarray(np.random.default_rng(6).integers(2, 128, (3, 9)), jnp.int32)
+  model = T5(TILED_CONFIG)
+  encoded = model.apply(target, tokens, method=T5.encode)
+  decoder_tokens = jnp.asarray([[0, 7, 9, 11]] * 3, jnp.int32)
+  logits = {}
+  for name, params in (('rows', rows_form), ('tiled', tiled)):
+    for setting in (cpu_matmul.KERNEL, cpu_matmul.XLA):
+      config = TILED_CONFIG.replace(cpu_matmul=setting)
+      drafter = Int8Drafter(config)
+      cache = drafter.init_state_from_target({'params': params}, tokens, encoded, 6)
+      logits[name, setting], _ = SharedEncoderDraft(config, config.emb_dim).apply(
+          {'params': params}, decoder_tokens, cache, method=SharedEncoderDraft.decode)
+  if cpu_matmul.int8_tiles_apply():
+    np.testing.assert_array_equal(logits['tiled', cpu_matmul.KERNEL],
+                                  logits['rows', cpu_matmul.KERNEL])
+  np.testing.assert_allclose(logits['tiled', cpu_matmul.XLA], logits['rows', cpu_matmul.XLA],
+                             rtol=1e-5, atol=1e-5)
+  # Greedy speculative decoding with the tiled draft is the baseline.
+  target_tokens = np.asarray(tokens)
+  baseline = generate(target, target_tokens, config=TILED_CONFIG, max_decode_length=MAX_LEN)
+  result = speculative_generate(target, {'params': tiled}, target_tokens,
+                                target_config=TILED_CONFIG, drafter=Int8Drafter(TILED_CONFIG),
+                                spec=SpeculativeConfig(gamma=3), max_decode_length=MAX_LEN)
+  np.testing.assert_array_equal(result.output.tokens, baseline.tokens)

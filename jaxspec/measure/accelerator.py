@@ -172,7 +172,7 @@ def int8_draft_shapes(target_params: Mapping[str, Any]) -> dict:
   target = kernel_layout.transposed_kernels(_shapes(target_params))['params']
   stand_in = jax.tree_util.tree_map(
       lambda leaf: np.ones((1,) * len(leaf.shape), np.float32), target)
-  draft = int8_decoder({'params': stand_in})['params']
+  draft = int8_decoder({'params': stand_in}, tiled=False)['params']
 
   def sized(draft_tree, target_tree):
     out = {}

@@ -28,6 +28,8 @@ KERNEL_INT8 = 'kernel_int8'
 KERNEL_SCALE = 'kernel_scale'
 EMBEDDING_INT8 = 'embedding_int8'  # An int8 embedding table [vocab, embed] ...
 EMBEDDING_SCALE = 'embedding_scale'  # ... and its float32 scale per token [vocab].
+# The same int8 table tiled for the kernel's logits (jaxspec.model.quantization.tile_int8).
+EMBEDDING_INT8_TILED = 'embedding_int8_tiled'
 LAYER_NORM_EPSILON = 1e-6
 
 default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
@@ -70,8 +72,9 @@ class Dense(nn.Module):
     dtype = self.dtype or self.config.compute_dtype
     param_dtype = jnp.dtype(self.config.param_dtype)
     if self.has_variable('params', KERNEL_INT8):
-      kernel_int8 = self.param(KERNEL_INT8, _existing, (self.features, x.shape[-1]),
-                               jnp.int8)
+      kernel_int8 = self.param(KERNEL_INT8, _existing,
+                               _int8_shape(self.get_variable('params', KERNEL_INT8),
+                                           self.features, x.shape[-1]), jnp.int8)
       scale = self.param(KERNEL_SCALE, _existing, (self.features,), jnp.float32)
       return cpu_matmul.matmul_int8(x, kernel_int8, scale, self.config.cpu_matmul).astype(dtype)
     if self.has_variable('params', KERNEL_T_PARAM):
@@ -112,6 +115,15 @@ def project_together(x, projections, config: T5Config):
   return tuple(projection(x) for projection in projections)
 
 
+def _int8_shape(existing, out: int, inputs: int) -> tuple[int, ...]:
+  """The shape int8 weights of [out, in] have in the form `existing` is stored in:
+  [out, in], or tiled [out / 64, in / 4, 64, 4] (jaxspec.model.quantization.tile_int8)."""
+  if existing.ndim == 4:
+    return (out // cpu_matmul.TILE_OUTPUTS, inputs // cpu_matmul.TILE_INPUTS,
+            cpu_matmul.TILE_OUTPUTS, cpu_matmul.TILE_INPUTS)
+  return (out, inputs)
+
+
 def _existing(rng, shape, dtype):
   """The init of int8 params, which are read only where the params hold them (Flax
   evaluates it abstractly to check their shapes): they are made from float params by
@@ -129,7 +141,8 @@ class Embed(nn.Module):
 
   Params made by jaxspec.model.quantization hold `embedding_int8` [vocab, embed] and
   `embedding_scale` [vocab] instead (int8 drafts): row v of the table is
-  embedding_int8[v] * embedding_scale[v].
+  embedding_int8[v] * embedding_scale[v], and the tied logits read `embedding_int8_tiled`
+  (the same table in the kernel's tiles) where the params hold it.
   """
   config: T5Config
 
@@ -139,6 +152,11 @@ class Embed(nn.Module):
       self.embedding_int8 = self.param(EMBEDDING_INT8, _existing, shape, jnp.int8)
       self.embedding_scale = self.param(EMBEDDING_SCALE, _existing, shape[:1],
                                         jnp.float32)
+      self.embedding_int8_tiled = (
+          self.param(EMBEDDING_INT8_TILED, _existing,
+                     _int8_shape(self.get_variable('params', EMBEDDING_INT8_TILED), *shape),
+                     jnp.int8)
+          if self.has_variable('params', EMBEDDING_INT8_TILED) else None)
       return
     self.embedding = param_with_axes(
         'embedding', nn.initializers.normal(stddev=1.0), shape,
@@ -157,8 +175,9 @@ class Embed(nn.Module):
 
   def attend(self, x):  # [b, t, e] -> [b, t, v] float32
     if self.is_int8:
-      return cpu_matmul.matmul_int8(x, self.embedding_int8, self.embedding_scale,
-                                    self.config.cpu_matmul)
+      table = (self.embedding_int8 if self.embedding_int8_tiled is None
+               else self.embedding_int8_tiled)
+      return cpu_matmul.matmul_int8(x, table, self.embedding_scale, self.config.cpu_matmul)
     # The table is [v, e], the [out, in] layout: a few positions run through the few-row
     # kernel on CPU; otherwise XLA contracts into [b, v, t] and swaps, since XLA:CPU runs
     # x @ embedding.T several times slower once t >= 2 (a verify step).

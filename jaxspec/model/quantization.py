@@ -16,7 +16,14 @@ the tied logits). Params name their form: `kernel_int8` + `kernel_scale`,
 
   quantize_rows(w)           w [out, in] -> (int8 [out, in], scale [out])
   dequantize_rows(q, scale)  the float32 matrix they stand for
+  tile_int8(q)               q [out, in] -> [out / 64, in / 4, 64, 4], the kernel's tiles
   int8_decoder(params)       a target's decoder params for an int8 draft
+
+Where the CPU kernel's AVX-512 VNNI build computes the products
+(jaxspec.model.cpu.matmul.int8_tiles_apply), int8_decoder stores each matrix tiled: the
+kernel then sums 16 outputs in the lanes of one vector with no sum across lanes
+(few_row_matmul.cc, "Tiled int8 weights"). The tied logits read a tiled copy of the
+embedding table, `embedding_int8_tiled`, while the lookup reads the rows.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from jaxspec.model.cpu import matmul as cpu_matmul
 from jaxspec.model.cpu.layout import transposed_kernels
-from jaxspec.model.layers import (EMBEDDING_INT8, EMBEDDING_SCALE, KERNEL_INT8, KERNEL_SCALE,
-                                  KERNEL_T_PARAM)
+from jaxspec.model.layers import (EMBEDDING_INT8, EMBEDDING_INT8_TILED, EMBEDDING_SCALE,
+                                  KERNEL_INT8, KERNEL_SCALE, KERNEL_T_PARAM)
 
 INT8_MAX = 127
 # Kernels used only once per input (cross-attention keys and values of the encoding):
@@ -57,29 +65,52 @@ def dequantize_rows(q, scale) -> np.ndarray:
   return np.asarray(q, np.float32) * np.asarray(scale, np.float32)[:, None]
 
 
-def _quantize_tree(tree: Mapping[str, Any], path: tuple[str, ...]) -> dict:
+def tileable(q) -> bool:
+  """Whether int8 rows q [out, in] tile: out a multiple of 64, in of 4."""
+  return (q.ndim == 2 and q.shape[0] % cpu_matmul.TILE_OUTPUTS == 0
+          and q.shape[1] % cpu_matmul.TILE_INPUTS == 0)
+
+
+def tile_int8(q) -> np.ndarray:
+  """int8 rows q [out, in] (tileable) -> [out / 64, in / 4, 64, 4]: element [t, g, j, k]
+  is q[64 t + j, 4 g + k], each tile's 64 outputs side by side per group of 4 inputs."""
+  out, inputs = q.shape
+  tiles = np.asarray(q).reshape(out // cpu_matmul.TILE_OUTPUTS, cpu_matmul.TILE_OUTPUTS,
+                                inputs // cpu_matmul.TILE_INPUTS, cpu_matmul.TILE_INPUTS)
+  return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
+
+
+def _quantize_tree(tree: Mapping[str, Any], path: tuple[str, ...], tiled: bool) -> dict:
   out = {}
   for key, value in tree.items():
     if isinstance(value, Mapping):
-      out[key] = _quantize_tree(value, path + (key,))
+      out[key] = _quantize_tree(value, path + (key,), tiled)
     elif key == KERNEL_T_PARAM and path[-2:] not in ENCODING_PROJECTIONS:
-      out[KERNEL_INT8], out[KERNEL_SCALE] = quantize_rows(value)
+      q, out[KERNEL_SCALE] = quantize_rows(value)
+      out[KERNEL_INT8] = tile_int8(q) if tiled and tileable(q) else q
     elif key == 'embedding' and path[-1:] == ('token_embedder',):
       out[EMBEDDING_INT8], out[EMBEDDING_SCALE] = quantize_rows(value)
+      if tiled and tileable(out[EMBEDDING_INT8]):
+        out[EMBEDDING_INT8_TILED] = tile_int8(out[EMBEDDING_INT8])
     else:
       out[key] = np.asarray(value)
   return out
 
 
-def int8_decoder(target_params: Mapping[str, Any]) -> dict:
+def int8_decoder(target_params: Mapping[str, Any], tiled: bool | None = None) -> dict:
   """{'params'} of an int8 draft: the target's decoder (its variables {'params': ...},
   kernels in either layout) without the encoder, every per-step matrix int8.
 
+  tiled: store the matrices that tile in the kernel's tiles (tile_int8); None: where the
+  kernel's tiled form computes them (jaxspec.model.cpu.matmul.int8_tiles_apply). Either
+  form gives the same products bit for bit.
   The result is host (numpy) arrays; the draft is jaxspec.model.shared_encoder_draft's
   decoder over the target's encoding (jaxspec.decoding.drafters.int8).
   """
   if not isinstance(target_params, Mapping) or 'params' not in target_params:
     raise ValueError("int8_decoder takes the target's variables {'params': ...}")
+  if tiled is None:
+    tiled = cpu_matmul.int8_tiles_apply()
   params = transposed_kernels(target_params['params'])
   decoder = {name: tree for name, tree in params.items() if name != 'encoder'}
-  return {'params': _quantize_tree(decoder, ())}
+  return {'params': _quantize_tree(decoder, (), tiled)}

@@ -80,7 +80,7 @@ KERNEL_DIR = pathlib.Path(__file__).parent / 'kernels'
 # One library holds every CPU kernel: these sources, compiled together, and the header
 # they share (its bytes key the build too).
 SOURCES = (KERNEL_DIR / 'few_row_matmul.cc', KERNEL_DIR / 'cached_attention.cc')
-HEADERS = (KERNEL_DIR / 'float_vectors.h',)
+HEADERS = (KERNEL_DIR / 'float_vectors.h', KERNEL_DIR / 'spin_pool.h')
 COMPILE_FLAGS = ('-O3', '-std=c++17', '-shared', '-fPIC', '-pthread', '-w')
 # The instruction sets the kernel is built for: AVX-512 (16-lane float32 vectors, 32
 # registers; int8 products by VNNI) where the CPU has it, else AVX2 + FMA.
@@ -308,26 +308,57 @@ def quantize_activations(x):
   return jnp.clip(jnp.round(x / scale), -127, 127), scale
 
 
+# Tiled int8 weights [out / 64, in / 4, 64, 4] (jaxspec.model.quantization.tile_int8): the
+# kernel's VNNI build sums 16 outputs per vector lane by lane, with no sum across lanes.
+TILE_OUTPUTS, TILE_INPUTS = 64, 4
+
+
+def int8_tiles_apply() -> bool:
+  """Whether int8 products here run through the kernel's tiled form: the CPU, the
+  kernel built, for AVX-512 VNNI."""
+  return use_kernel(KERNEL) and kernel_isa() == 'avx512'
+
+
+def int8_shape(w_q) -> tuple[int, int]:
+  """(out, in) of int8 weights [out, in] or tiled [out / 64, in / 4, 64, 4]."""
+  if w_q.ndim == 4:
+    return w_q.shape[0] * w_q.shape[2], w_q.shape[1] * w_q.shape[3]
+  return tuple(w_q.shape)
+
+
+def untile_int8(w_q):
+  """int8 weights [out, in] from either form (jnp; tiled ones are transposed back)."""
+  if w_q.ndim != 4:
+    return w_q
+  out, inputs = int8_shape(w_q)
+  return jnp.transpose(w_q, (0, 2, 1, 3)).reshape(out, inputs)
+
+
 def xla_matmul_int8(x, w_q, scale):
   """matmul_int8 through XLA: x's rows quantized to int8 (quantize_activations), their
-  products with the int8 w_q [out, in] summed in float32, times scale [out] and the row's
-  scale -> [..., out] float32."""
+  products with the int8 w_q [out, in] (or tiled) summed in float32, times scale [out] and
+  the row's scale -> [..., out] float32."""
   xq, x_scale = quantize_activations(x)
-  return xla_matmul_transposed(xq, w_q.astype(jnp.float32)) * scale * x_scale
+  return xla_matmul_transposed(xq, untile_int8(w_q).astype(jnp.float32)) * scale * x_scale
 
 
 def applies_int8(x, w_q, scale) -> bool:
-  """Whether the kernel can compute (x @ w_q^T) * scale (shapes and dtypes)."""
+  """Whether the kernel can compute (x @ w_q^T) * scale (shapes and dtypes; tiled
+  weights only where the kernel's tiled form runs)."""
   rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-  return (x.dtype == jnp.float32 and w_q.dtype == jnp.int8 and w_q.ndim == 2
-          and scale.dtype == jnp.float32 and scale.shape == (w_q.shape[0],)
-          and x.ndim >= 1 and x.shape[-1] == w_q.shape[1] and 1 <= rows <= MAX_ROWS)
+  tiled = (w_q.ndim == 4 and w_q.shape[2:] == (TILE_OUTPUTS, TILE_INPUTS)
+           and int8_tiles_apply())
+  out, inputs = int8_shape(w_q) if w_q.ndim in (2, 4) else (None, None)
+  return (x.dtype == jnp.float32 and w_q.dtype == jnp.int8 and (w_q.ndim == 2 or tiled)
+          and scale.dtype == jnp.float32 and scale.shape == (out,)
+          and x.ndim >= 1 and x.shape[-1] == inputs and 1 <= rows <= MAX_ROWS)
 
 
 def few_row_matmul_int8(x, w_q, scale):
   """(x [..., in] @ w_q [out, in]^T) * scale [out] through the kernel (applies_int8)."""
   return jax.ffi.ffi_call(INT8_TARGET_NAME,
-                          jax.ShapeDtypeStruct(x.shape[:-1] + (w_q.shape[0],), jnp.float32),
+                          jax.ShapeDtypeStruct(x.shape[:-1] + (int8_shape(w_q)[0],),
+                                               jnp.float32),
                           vmap_method='sequential')(x, w_q, scale, row_flags(x))
 
 
@@ -391,7 +422,7 @@ def few_row_matmuls_int8(x, pairs):
   """(few_row_matmul_int8(x, w_q, scale) for (w_q, scale) in pairs) in one kernel call."""
   operands = [operand for pair in pairs for operand in pair]
   return tuple(jax.ffi.ffi_call(MANY_INT8_TARGET_NAMES[len(pairs)],
-                                _many_shapes(x, [w_q.shape[0] for w_q, _ in pairs]),
+                                _many_shapes(x, [int8_shape(w_q)[0] for w_q, _ in pairs]),
                                 vmap_method='sequential')(x, *operands, row_flags(x)))
 
 

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "float_vectors.h"
+#include "spin_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -165,16 +166,16 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k,
   return ffi::Error::Success();
 }
 
-// The attention of every query over keys/values kp, vp [b, h, d, L], row b reading its
-// first min(L, max(0, num_keys(b))) slots.
 template <typename NumKeys>
-void AttendAll(const Shapes& s, const float* qp, const float* kp, const float* vp,
-               const float* bp, const NumKeys& num_keys, float* op) {
+void AttendPairs(const Shapes& s, const float* qp, const float* kp, const float* vp,
+                 const float* bp, const NumKeys& num_keys, int64_t begin, int64_t end,
+                 float* op) {
   thread_local std::vector<float> weights;
   weights.resize(((s.slots + kVecLanes - 1) / kVecLanes) * kVecLanes);
-  for (int64_t b = 0; b < s.batch; ++b) {
+  for (int64_t pair = begin; pair < end; ++pair) {
+    const int64_t b = pair / s.heads, h = pair % s.heads;
     const int64_t n = std::clamp<int64_t>(num_keys(b), 0, s.slots);
-    for (int64_t h = 0; h < s.heads; ++h) {
+    {
       const float* head_keys = kp + (b * s.heads + h) * s.head_dim * s.slots;
       const float* head_values = vp + (b * s.heads + h) * s.head_dim * s.slots;
       const int64_t bias_head = s.bias_heads == 1 ? 0 : h;
@@ -193,7 +194,25 @@ void AttendAll(const Shapes& s, const float* qp, const float* kp, const float* v
   }
 }
 
-ffi::Error CachedAttention(ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> keys,
+// The attention of every query over keys/values kp, vp [b, h, d, L], row b reading its
+// first min(L, max(0, num_keys(b))) slots. The (row, head) pairs are split in contiguous
+// runs among the calling thread and the kernels' helpers (spin_pool.h): a pair's queries
+// are computed by one thread, in the same order whatever the split.
+template <typename NumKeys>
+void AttendAll(const xla::ffi::ThreadPool& pool, const Shapes& s, const float* qp,
+               const float* kp, const float* vp, const float* bp, const NumKeys& num_keys,
+               float* op) {
+  const int64_t pairs = s.batch * s.heads;
+  jaxspec_kernels::SpinPool& helpers = jaxspec_kernels::Helpers(pool);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(helpers.num_helpers() + 1, pairs));
+  const int64_t per_part = (pairs + parts - 1) / parts;
+  helpers.Run(parts, [&](int64_t p) {
+    AttendPairs(s, qp, kp, vp, bp, num_keys, p * per_part,
+                std::min(pairs, (p + 1) * per_part), op);
+  });
+}
+
+ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> keys,
                            ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> bias,
                            ffi::Buffer<ffi::S32> num_keys, ffi::ResultBuffer<ffi::F32> out) {
   Shapes s;
@@ -202,7 +221,8 @@ ffi::Error CachedAttention(ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> ke
       error.failure())
     return error;
   const int32_t* np = num_keys.typed_data();
-  AttendAll(s, query.typed_data(), keys.typed_data(), values.typed_data(), bias.typed_data(),
+  AttendAll(pool, s, query.typed_data(), keys.typed_data(), values.typed_data(),
+            bias.typed_data(),
             [np](int64_t b) { return static_cast<int64_t>(np[b]); }, out->typed_data());
   return ffi::Error::Success();
 }
@@ -226,7 +246,7 @@ void WriteSlots(const Shapes& s, const float* new_rows, const int32_t* starts, f
 // step's new keys/values [b, t, h, d] go into the buffers at slots starts[b] + 0..t-1, in
 // place (the results alias the buffers; copied first only where XLA gave other memory),
 // then every query attends over the first starts[b] + t slots.
-ffi::Error CachedAttentionWrite(ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> new_keys,
+ffi::Error CachedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> new_keys,
                                 ffi::Buffer<ffi::F32> new_values, ffi::Buffer<ffi::F32> keys,
                                 ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> bias,
                                 ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
@@ -248,7 +268,7 @@ ffi::Error CachedAttentionWrite(ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F3
   const int32_t* sp = starts.typed_data();
   WriteSlots(s, new_keys.typed_data(), sp, kp);
   WriteSlots(s, new_values.typed_data(), sp, vp);
-  AttendAll(s, query.typed_data(), kp, vp, bias.typed_data(),
+  AttendAll(pool, s, query.typed_data(), kp, vp, bias.typed_data(),
             [sp, &s](int64_t b) { return static_cast<int64_t>(sp[b]) + s.queries; },
             out->typed_data());
   return ffi::Error::Success();
@@ -258,6 +278,7 @@ ffi::Error CachedAttentionWrite(ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F3
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecCachedAttention, CachedAttention,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -267,6 +288,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecCachedAttention, CachedAttention,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecCachedAttentionWrite, CachedAttentionWrite,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "float_vectors.h"
+#include "spin_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -159,114 +160,8 @@ void Outputs(const float* x, const float* w, float* y, int64_t rows, int64_t in,
 }
 
 
-// ---- Helper threads that stay awake between calls ----
-// A decode step makes ~55 of these calls, 5-40 us each, a few microseconds apart; a pool
-// thread woken per call (XLA's intra-op pool) starts late, so the calling thread ended
-// up computing most parts alone. SpinPool's helpers poll for the next call for kSpin
-// after each one (yielding the core to any other runnable thread while they poll), then
-// sleep on a condition variable until woken. One caller at a time: a call that finds
-// the helpers busy with another caller runs all its parts itself.
-class SpinPool {
- public:
-  static constexpr auto kSpin = std::chrono::microseconds(200);
-
-  explicit SpinPool(int helpers) {
-    for (int h = 0; h < helpers; ++h) std::thread([this] { Serve(); }).detach();
-    num_helpers_ = helpers;
-  }
-
-  int num_helpers() const { return num_helpers_; }
-
-  // Runs part(p) for p in [0, num_parts) on the calling thread and the helpers; returns
-  // after every part has finished.
-  void Run(int64_t num_parts, const std::function<void(int64_t)>& part) {
-    bool idle = false;
-    if (num_helpers_ == 0 || num_parts < 2 ||
-        !busy_.compare_exchange_strong(idle, true, std::memory_order_acquire)) {
-      for (int64_t p = 0; p < num_parts; ++p) part(p);
-      return;
-    }
-    const uint64_t job = generation_.load(std::memory_order_relaxed) + 1;
-    part_ = &part;
-    num_parts_ = num_parts;
-    done_.store(0, std::memory_order_relaxed);
-    next_.store(job << 32, std::memory_order_release);
-    generation_.store(job, std::memory_order_seq_cst);
-    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      wake_.notify_all();
-    }
-    Work(job);
-    while (done_.load(std::memory_order_acquire) < num_parts) _mm_pause();
-    busy_.store(false, std::memory_order_release);
-  }
-
- private:
-  // Claims and runs parts of job `job` until none is left; a part is claimed together
-  // with its job number, so a helper late for one job never takes a part of the next.
-  void Work(uint64_t job) {
-    uint64_t claim = next_.load(std::memory_order_acquire);
-    while ((claim >> 32) == job) {
-      const int64_t p = static_cast<int64_t>(claim & 0xffffffffu);
-      if (p >= num_parts_) return;
-      if (next_.compare_exchange_weak(claim, claim + 1, std::memory_order_acq_rel)) {
-        (*part_)(p);
-        done_.fetch_add(1, std::memory_order_release);
-        claim = next_.load(std::memory_order_acquire);
-      }
-    }
-  }
-
-  void Serve() {
-    uint64_t seen = generation_.load(std::memory_order_acquire);
-    for (;;) {
-      auto since = std::chrono::steady_clock::now();
-      uint64_t job;
-      for (int polls = 0; (job = generation_.load(std::memory_order_acquire)) == seen; ++polls) {
-        if (polls % 64 == 63) {
-          if (std::chrono::steady_clock::now() - since > kSpin) {
-            std::unique_lock<std::mutex> lock(mutex_);
-            sleeping_.fetch_add(1, std::memory_order_seq_cst);
-            wake_.wait(lock, [&] { return generation_.load(std::memory_order_seq_cst) != seen; });
-            sleeping_.fetch_sub(1, std::memory_order_relaxed);
-            since = std::chrono::steady_clock::now();
-          } else {
-            sched_yield();
-          }
-        }
-        _mm_pause();
-      }
-      seen = job;
-      Work(job);
-    }
-  }
-
-  int num_helpers_ = 0;
-  std::atomic<bool> busy_{false};
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<uint64_t> next_{0};  // job << 32 | next part
-  std::atomic<int64_t> done_{0};
-  const std::function<void(int64_t)>* part_ = nullptr;
-  int64_t num_parts_ = 0;
-  std::atomic<int> sleeping_{0};
-  std::mutex mutex_;
-  std::condition_variable wake_;
-};
-
-constexpr int kMaxHelpers = 3;  // A few-row product saturates memory with a few cores.
-
-// A forked child has none of its parent's helper threads: it runs every part itself.
-std::atomic<bool> forked{false};
-
-SpinPool& Helpers(const ffi::ThreadPool& pool) {
-  static SpinPool* helpers = [&] {  // Never destroyed: helpers outlive calls.
-    pthread_atfork(nullptr, nullptr, [] { forked.store(true); });
-    return new SpinPool(static_cast<int>(
-        std::max<int64_t>(0, std::min<int64_t>(kMaxHelpers, pool.num_threads() - 1))));
-  }();
-  static SpinPool* inline_only = new SpinPool(0);
-  return forked.load(std::memory_order_relaxed) ? *inline_only : *helpers;
-}
+using jaxspec_kernels::Helpers;
+using jaxspec_kernels::SpinPool;
 
 // JAXSPEC_KERNEL_THREADS=pool hands parts to XLA's intra-op pool instead (no helper
 // threads of the kernel's own).
@@ -278,11 +173,12 @@ bool UseSpinPool() {
 // Runs outputs(begin, end) over [0, out) in parts (multiples of 8 outputs, at least
 // kOutputsPerTask each) on the calling thread and the helpers.
 template <typename OutputRange>
-void SplitOverHelpers(const ffi::ThreadPool& pool, int64_t out, const OutputRange& outputs) {
+void SplitOverHelpers(const ffi::ThreadPool& pool, int64_t out, const OutputRange& outputs,
+                      int64_t multiple) {
   SpinPool& helpers = Helpers(pool);
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(helpers.num_helpers() + 1,
                                                                out / kOutputsPerTask));
-  const int64_t per_part = (out / parts + 7) / 8 * 8;
+  const int64_t per_part = (out / parts + multiple - 1) / multiple * multiple;
   helpers.Run(parts, [&](int64_t p) {
     const int64_t begin = std::min(out, p * per_part);
     const int64_t end = p + 1 == parts ? out : std::min(out, begin + per_part);
@@ -301,14 +197,17 @@ struct Parts {
   std::atomic<int64_t> finished{0};
 };
 
+// multiple: every part but the last starts and ends at a multiple of it (8, or the int8
+// tiles' kInt8TileOutputs).
 template <typename OutputRange>
-void SplitOutputs(ffi::ThreadPool& pool, int64_t out, const OutputRange& outputs) {
+void SplitOutputs(ffi::ThreadPool& pool, int64_t out, const OutputRange& outputs,
+                  int64_t multiple = 8) {
   const int64_t num_parts =
       std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / kOutputsPerTask));
   if (num_parts == 1) return outputs(0, out);
-  if (UseSpinPool()) return SplitOverHelpers(pool, out, outputs);
+  if (UseSpinPool()) return SplitOverHelpers(pool, out, outputs, multiple);
   auto parts = std::make_shared<Parts>();
-  const int64_t per_part = (out / num_parts + 7) / 8 * 8;
+  const int64_t per_part = (out / num_parts + multiple - 1) / multiple * multiple;
   auto run = [parts, num_parts, per_part, out, &outputs]() {
     for (int64_t p; (p = parts->next.fetch_add(1)) < num_parts;) {
       const int64_t begin = std::min(out, p * per_part);
@@ -552,6 +451,100 @@ void Int8Outputs(const QuantizedRows& xq, const int8_t* w, const float* scale, f
   Int8OutputBlocks<1, 1>(xq, w, scale, y, rows, in, out, o, end);
 }
 
+// ---- Tiled int8 weights: outputs in the vector lanes ----
+// w [out / 64, in / 4, 64, 4] (jaxspec.model.quantization.tile_int8): tile t holds outputs
+// 64t..64t+63, and for each group of 4 inputs their 4 weights of each output side by
+// side, so one 64-byte vector holds 16 outputs x 4 inputs and one dpbusd adds 4
+// products to each of 16 outputs' sums, with x's 4 values broadcast: no sum across
+// lanes at the end, which in the [out, in] form costs as much as the products over an
+// input of 512. A tile is 64 * in contiguous bytes, read once per C rows. The sums are
+// the same exact int32 sums, so the results equal the [out, in] form's bit for bit.
+constexpr int64_t kInt8TileOutputs = 64;
+constexpr int64_t kInt8TileInputs = 4;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kInt8Tiles = true;
+
+// Outputs of T tiles from output o (64 T of them, 4 vectors a tile) for rows n..n+C-1
+// into y: the tiles' bytes stream side by side (T > 1 for a single row, whose few
+// products per byte leave memory the limit).
+template <int C, int T>
+inline void Int8TileRows(const QuantizedRows& xq, const int8_t* tile, const float* scale,
+                         float* y, int64_t in, int64_t out, int64_t o, int64_t n) {
+  constexpr int R = kInt8TileOutputs / 16;
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i a[T][R][C];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) a[t][r][c] = _mm512_setzero_si512();
+  const int64_t groups = in / kInt8TileInputs;
+  const int64_t tile_bytes = kInt8TileOutputs * in;
+  constexpr int64_t ahead = kInt8PrefetchBytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* wg = tile + g * kInt8TileOutputs * kInt8TileInputs;
+    __m512i wv[T][R];
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(wg + t * tile_bytes + ahead + 64 * r),
+                     _MM_HINT_T1);
+        wv[t][r] = _mm512_xor_si512(_mm512_loadu_si512(wg + t * tile_bytes + 64 * r), offset);
+      }
+    for (int c = 0; c < C; ++c) {
+      int32_t x4;
+      std::memcpy(&x4, &xq.value[(n + c) * xq.padded + g * kInt8TileInputs], sizeof(x4));
+      const __m512i xv = _mm512_set1_epi32(x4);
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) a[t][r][c] = _mm512_dpbusd_epi32(a[t][r][c], wv[t][r], xv);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const __m512i correction = _mm512_set1_epi32(128 * xq.total[n + c]);
+    const __m512 row_scale = _mm512_set1_ps(xq.scale[n + c]);
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) {
+        const int64_t first = o + t * kInt8TileOutputs + 16 * r;
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[t][r][c], correction));
+        // (float(sum) * scale[o]) * xs[n], as the [out, in] form rounds it.
+        const __m512 values =
+            _mm512_mul_ps(_mm512_mul_ps(sums, _mm512_loadu_ps(scale + first)), row_scale);
+        _mm512_storeu_ps(y + (n + c) * out + first, values);
+      }
+  }
+}
+
+template <int C>
+inline void Int8TileRowsOf(int count, const QuantizedRows& xq, const int8_t* tile,
+                           const float* scale, float* y, int64_t in, int64_t out, int64_t o,
+                           int64_t n) {
+  if constexpr (C > 1) {
+    if (count < C) return Int8TileRowsOf<C - 1>(count, xq, tile, scale, y, in, out, o, n);
+  }
+  Int8TileRows<C, 1>(xq, tile, scale, y, in, out, o, n);
+}
+
+// Outputs [begin, end) (multiples of kInt8TileOutputs) of tiled w for every row.
+void Int8TiledOutputs(const QuantizedRows& xq, const int8_t* w, const float* scale, float* y,
+                      int64_t rows, int64_t in, int64_t out, int64_t begin, int64_t end) {
+  constexpr int C = 5;  // 4 x 5 accumulators and 4 weight vectors of the 32 registers
+  int64_t o = begin;
+  if (rows == 1) {  // two tiles side by side: one tile alone streamed ~10% slower
+    for (; o + 2 * kInt8TileOutputs <= end; o += 2 * kInt8TileOutputs)
+      Int8TileRows<1, 2>(xq, w + o * in, scale, y, in, out, o, 0);
+  }
+  for (; o < end; o += kInt8TileOutputs) {
+    const int8_t* tile = w + o * in;
+    for (int64_t n = 0; n < rows; n += C)
+      Int8TileRowsOf<C>(static_cast<int>(std::min<int64_t>(C, rows - n)), xq, tile, scale, y,
+                        in, out, o, n);
+  }
+}
+#else
+constexpr bool kInt8Tiles = false;  // jaxspec.model.cpu.matmul tiles for AVX-512 VNNI only
+
+void Int8TiledOutputs(const QuantizedRows&, const int8_t*, const float*, float*, int64_t,
+                      int64_t, int64_t, int64_t, int64_t) {}
+#endif
+
 
 // ---- One or several weight matrices against the same rows (JaxspecFewRowMatmul,
 // JaxspecFewRowMatmul2/3 and their int8 forms) ----
@@ -679,7 +672,7 @@ ffi::Error ManyMatmuls(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
 template <int N>
 void ComputeMatmulsInt8(ffi::ThreadPool& pool, const float* xp, int64_t rows, int64_t in,
                         const int8_t* const (&w)[N], const float* const (&scale)[N],
-                        const int64_t (&out)[N], float* const (&y)[N]) {
+                        const int64_t (&out)[N], float* const (&y)[N], bool tiled) {
   // The calling thread's buffers, reused: every part that reads them finishes before
   // this call returns (a pool task that starts later claims no part and reads nothing).
   // The helpers reach them through this pointer (a thread_local named inside the lambda
@@ -691,9 +684,45 @@ void ComputeMatmulsInt8(ffi::ThreadPool& pool, const float* xp, int64_t rows, in
   for (int k = 0; k < N; ++k) total += out[k];
   SplitOutputs(pool, total, [&](int64_t begin, int64_t end) {
     OverMatrices<N>(out, begin, end, [&](int k, int64_t first, int64_t last) {
-      Int8Outputs(*xq, w[k], scale[k], y[k], rows, in, out[k], first, last);
+      if (tiled) {
+        Int8TiledOutputs(*xq, w[k], scale[k], y[k], rows, in, out[k], first, last);
+      } else {
+        Int8Outputs(*xq, w[k], scale[k], y[k], rows, in, out[k], first, last);
+      }
     });
-  });
+  }, tiled ? kInt8TileOutputs : 8);
+}
+
+// The int8 matrices' outputs and input (all [out_k, in], or all tiled [out_k / 64, in / 4,
+// 64, 4]) and the rows of x [..., in].
+template <int N>
+ffi::Error Int8Shapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S8>* const (&w)[N],
+                      int64_t (&out)[N], int64_t* in, int64_t* rows, bool* tiled) {
+  *tiled = w[0]->dimensions().size() == 4;
+  for (int k = 0; k < N; ++k) {
+    const ffi::Span<const int64_t> dims = w[k]->dimensions();
+    if (!*tiled) {
+      if (dims.size() != 2) return ffi::Error::InvalidArgument("w must be [out, in] or tiled");
+      out[k] = dims[0];
+      if (k == 0) *in = dims[1];
+      if (dims[1] != *in) return ffi::Error::InvalidArgument("the matrices' inputs differ");
+      continue;
+    }
+    if (!kInt8Tiles)
+      return ffi::Error::InvalidArgument("tiled int8 weights need the AVX-512 VNNI build");
+    if (dims.size() != 4 || dims[2] != kInt8TileOutputs || dims[3] != kInt8TileInputs)
+      return ffi::Error::InvalidArgument("tiled int8 w must be [out / 64, in / 4, 64, 4]");
+    out[k] = dims[0] * kInt8TileOutputs;
+    if (k == 0) *in = dims[1] * kInt8TileInputs;
+    if (dims[1] * kInt8TileInputs != *in)
+      return ffi::Error::InvalidArgument("the matrices' inputs differ");
+  }
+  const ffi::Span<const int64_t> x_dims = x.dimensions();
+  if (x_dims.size() < 1 || x_dims.back() != *in)
+    return ffi::Error::InvalidArgument("x [..., in] does not match w's in");
+  *rows = *in == 0 ? 0 : x.element_count() / *in;
+  if (*rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than 32 rows (kMaxRows)");
+  return ffi::Error::Success();
 }
 
 template <int N>
@@ -702,15 +731,12 @@ ffi::Error ManyMatmulsInt8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x
                            const ffi::Buffer<ffi::F32>* const (&scale)[N],
                            const ffi::Buffer<ffi::S32>& active,
                            ffi::ResultBuffer<ffi::F32>* const (&y)[N]) {
-  ffi::Span<const int64_t> w_dims[N];
-  for (int k = 0; k < N; ++k) w_dims[k] = w[k]->dimensions();
-  int64_t out[N], rows = 0;
-  if (ffi::Error error = ManyRowsOf<N>(x.dimensions(), x.element_count(), w_dims, out, &rows);
-      error.failure())
+  int64_t out[N], in = 0, rows = 0;
+  bool tiled = false;
+  if (ffi::Error error = Int8Shapes<N>(x, w, out, &in, &rows, &tiled); error.failure())
     return error;
   if (active.element_count() != rows)
     return ffi::Error::InvalidArgument("active must hold one flag per row of x");
-  const int64_t in = w_dims[0][1];
   float* y_ptrs[N];
   const int8_t* w_ptrs[N];
   const float* scale_ptrs[N];
@@ -725,11 +751,13 @@ ffi::Error ManyMatmulsInt8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x
   if (in == 0) return ffi::Error::Success();
   ActiveRows active_rows;
   if (AllActive(active.typed_data(), rows, &active_rows)) {
-    ComputeMatmulsInt8<N>(pool, x.typed_data(), rows, in, w_ptrs, scale_ptrs, out, y_ptrs);
+    ComputeMatmulsInt8<N>(pool, x.typed_data(), rows, in, w_ptrs, scale_ptrs, out, y_ptrs,
+                          tiled);
   } else {
     OnActiveRows<N>(active_rows, x.typed_data(), rows, in, out, y_ptrs,
                     [&](const float* xp, int64_t count, float* const (&yp)[N]) {
-                      ComputeMatmulsInt8<N>(pool, xp, count, in, w_ptrs, scale_ptrs, out, yp);
+                      ComputeMatmulsInt8<N>(pool, xp, count, in, w_ptrs, scale_ptrs, out, yp,
+                                            tiled);
                     });
   }
   return ffi::Error::Success();
