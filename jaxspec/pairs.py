@@ -30,6 +30,7 @@ from jaxspec.decoding.baseline import generate
 from jaxspec.decoding import auto_gamma
 from jaxspec.decoding.speculative import AUTO, SpeculativeConfig, speculative_generate
 from jaxspec.decoding.drafters.t5 import T5Drafter
+from jaxspec.model.cpu import matmul as cpu_matmul
 from jaxspec.sampling import SamplingConfig
 
 
@@ -224,7 +225,9 @@ def load(name: str, draft: str | None = None, *, dtype: str = 'float32',
          checkpoint_dir: str | pathlib.Path | None = None) -> Pair:
   """The named pair ('ende_local', 'docsum_local' or 'ende54m_local') with the `draft`
   ('small' or 'base'; None: the pair's default, base for ende54m_local and small for
-  the others), parameters in `dtype` (float32 on CPU, bfloat16 on TPU/GPU).
+  the others), parameters in `dtype` (float32 on CPU, bfloat16 on TPU/GPU). Where XLA
+  computes the target (bfloat16, an accelerator) its steps are fixed-width
+  (decode_positions 10: gamma up to 9), so greedy outputs stay the baseline's.
 
   checkpoint_dir: the directory holding <directory>/target and
   <directory>/draft_<draft> (default: the source checkout's checkpoints/).
@@ -241,6 +244,11 @@ def load(name: str, draft: str | None = None, *, dtype: str = 'float32',
         f'no checkpoints for {name} at {root}: the shipped pairs live in the source '
         "checkout's checkpoints/ directory (pip install -e .), or pass checkpoint_dir")
   target_config = get_config(spec.target, dtype=dtype, param_dtype=dtype)
+  if not cpu_matmul.exact_across_widths(dtype, target_config.cpu_matmul):
+    # Fixed-width target steps as wide as the widest verify step of any gamma the pair
+    # runs, so greedy outputs stay the baseline's (T5Config.decode_positions).
+    target_config = target_config.replace(
+        decode_positions=max(spec.gamma, *auto_gamma.DEFAULT_GAMMAS) + 1)
   draft_config = get_config(f'local_draft_{draft}', dtype=dtype, param_dtype=dtype)
   return Pair(
       name=name, task=spec.task, target_config=target_config, draft_config=draft_config,

@@ -19,7 +19,7 @@ from jaxspec.config import EOS_ID  # noqa: E402
 from jaxspec.data import corpora  # noqa: E402
 from jaxspec.decoding.baseline import generate  # noqa: E402
 from jaxspec.model import init_params  # noqa: E402
-from jaxspec.model.cpu import layout as kernel_layout
+from jaxspec.model.cpu import layout as kernel_layout, matmul as cpu_matmul
 from jaxspec.sampling import SamplingConfig
 
 
@@ -42,8 +42,12 @@ def test_load_reads_the_shipped_checkpoints():
   # Both models are held in the layout they decode fastest in (transposed on CPU).
   expected = kernel_layout.for_decoding(expected)
   jax.tree_util.tree_map(np.testing.assert_array_equal, pair.draft_params['params'], expected)
-  assert pair.target_config == get_config('local_target')
+  # Steps as wide as their tokens where the kernels compute float32 exactly alike at any
+  # width, else fixed-width steps for gamma up to 9 (T5Config.decode_positions).
+  width = 0 if cpu_matmul.exact_across_widths('float32', cpu_matmul.KERNEL) else 10
+  assert pair.target_config == get_config('local_target', decode_positions=width)
   assert (pair.input_length, pair.max_decode_length, pair.gamma) == (256, 128, 3)
+  assert pairs.load('docsum_local', dtype='bfloat16').target_config.decode_positions == 10
   with pytest.raises(ValueError, match=r'docsum_local is a docsum pair; use .summarize\(\)'):
     pair.translate('x = 1')
   with pytest.raises(KeyError, match=r"unknown pair 'ende'; known: \['docsum_local', "):

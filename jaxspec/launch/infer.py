@@ -457,8 +457,8 @@ def with_fixed_width_steps(target_model: T5Config, setting: str, decoders,
       [_beam_gamma_bound(speculative_beam) + 1] if 'speculative_beam' in decoders else [])
   if setting == 'off' or target_model.decode_positions or not widths:
     return target_model
-  if setting == 'auto' and (speculative.num_drafts > 1 or (
-      target_model.dtype == 'float32' and cpu_matmul_lib.use_kernel(target_model.cpu_matmul))):
+  if setting == 'auto' and (speculative.num_drafts > 1 or cpu_matmul_lib.exact_across_widths(
+      target_model.dtype, target_model.cpu_matmul)):
     return target_model
   return target_model.replace(decode_positions=max(widths))
 

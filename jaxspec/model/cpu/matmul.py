@@ -293,6 +293,13 @@ def use_kernel(cpu_matmul: str) -> bool:
   return cpu_matmul == KERNEL and jax.default_backend() == 'cpu' and kernel_available()
 
 
+def exact_across_widths(dtype, cpu_matmul: str) -> bool:
+  """Whether decode steps of `dtype` compute each row bit for bit alike whatever the
+  step's width without fixed-width steps (T5Config.decode_positions): float32 through
+  the kernels. XLA rounds products of different widths differently."""
+  return jnp.dtype(dtype) == jnp.float32 and use_kernel(cpu_matmul)
+
+
 def matmul_transposed(x, w_t, cpu_matmul: str = KERNEL):
   """x [..., in] @ w_t [out, in]^T -> [..., out]: the kernel where it applies, else XLA."""
   if applies(x, w_t) and use_kernel(cpu_matmul):
