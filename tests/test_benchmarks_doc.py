@@ -127,3 +127,30 @@ def test_files_git_ignores_are_not_records(tmp_path):
   found = [os.path.relpath(path, tmp_path) for path, _ in
            report.find_records(str(tmp_path / 'results'))]
   assert found == [os.path.join('results', 'batch_sizes', 'amd.json')]
+
+
+def test_accelerator_records_render_their_steps_and_end_to_end_rows():
+  record = {
+      'kind': 'accelerator_bench', 'device': {'device_kind': 'NVIDIA H200'},
+      'provenance': {'machine': 'NVIDIA H200 x1 (gpu)', 'date': '2026-11-27',
+                     'commit': 'abc1234', 'command': 'jaxspec-accelerator-bench'},
+      'parts': {
+          'step_costs': {'targets': {'xxl': {'batch_1': {
+              'config': 't5_1_1_xxl', 'parameters': 11135332352,
+              'steps': {'1': {'ms': 4.08, 'V': 1.0, 'bandwidth_fraction': 0.57},
+                        '4': {'ms': 4.0, 'V': 0.98}},
+              'small_draft': {'c': 0.11}}}}},
+          'end_to_end': {'pair': 'ende_local', 'rows': [
+              {'dtype': 'bfloat16', 'decode_positions': 4, 'batch': 8, 'temperature': 0.0,
+               'baseline': {'tokens_per_s': 4479.0},
+               'speculative': {'tokens_per_s': 3353.0, 'speedup': 0.75, 'alpha': 0.236,
+                               'identical_outputs': True}},
+              {'dtype': 'float32', 'batch': 1, 'temperature': 0.0, 'error': 'boom'}]}}}
+  steps = report._accelerator_step_rows(record)
+  assert steps == [{'device': 'NVIDIA H200', 'target': 't5_1_1_xxl', 'parameters': 11135332352,
+                    'batch': '1', 'step_ms': 4.08, 'bandwidth': 0.57, 'int8_c': None,
+                    'small_c': 0.11, 'V2': None, 'V3': None, 'V4': 0.98, 'V5': None,
+                    'V6': None, 'V7': None, 'V8': None, 'V9': None}]
+  (row,) = report._accelerator_end_to_end_rows(record)  # the failed row has no speculative
+  assert (row['steps'], row['speedup'], row['identical']) == (4, 0.75, True)
+  assert report._accelerator_step_rows({'kind': 'other', 'parts': {}}) == []

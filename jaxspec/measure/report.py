@@ -194,6 +194,49 @@ def _megabytes(value):
 _TARGET = Column('target', _get('_target'))
 _T = Column('T', _get('temperature'), 'g')
 
+def _accelerator_step_rows(record):
+  """jaxspec-accelerator-bench part a: a row per (target, batch) with a one-position step."""
+  if record.get('kind') != 'accelerator_bench':
+    return []
+  part = (record.get('parts') or {}).get('step_costs') or {}
+  device = (record.get('device') or {}).get('device_kind')
+  rows = []
+  for entry in (part.get('targets') or {}).values():
+    for batch_key, measured in entry.items():
+      steps = measured.get('steps') or {} if isinstance(measured, dict) else {}
+      one = steps.get('1') or steps.get(1)
+      if not one:
+        continue
+      row = {'device': device, 'target': measured.get('config'),
+             'parameters': measured.get('parameters'), 'batch': batch_key.split('_')[-1],
+             'step_ms': one.get('ms'), 'bandwidth': one.get('bandwidth_fraction'),
+             'int8_c': (measured.get('int8_draft') or {}).get('c'),
+             'small_c': (measured.get('small_draft') or {}).get('c')}
+      row.update({f'V{k}': (steps.get(str(k)) or {}).get('V') for k in range(2, 10)})
+      rows.append(row)
+  return rows
+
+
+def _accelerator_end_to_end_rows(record):
+  """jaxspec-accelerator-bench part d: a row per (dtype, step width, batch, T)."""
+  if record.get('kind') != 'accelerator_bench':
+    return []
+  part = (record.get('parts') or {}).get('end_to_end') or {}
+  device = (record.get('device') or {}).get('device_kind')
+  rows = []
+  for row in part.get('rows') or []:
+    if 'speculative' not in row:
+      continue
+    spec = row['speculative']
+    rows.append({'device': device, 'pair': part.get('pair'), 'dtype': row.get('dtype'),
+                 'steps': row.get('decode_positions') or '-', 'batch': row.get('batch'),
+                 'temperature': row.get('temperature'),
+                 'baseline': row['baseline'].get('tokens_per_s'),
+                 'speculative': spec.get('tokens_per_s'), 'speedup': spec.get('speedup'),
+                 'alpha': spec.get('alpha'), 'identical': spec.get('identical_outputs')})
+  return rows
+
+
 def _rows_with(*required: str):
   """record -> its 'rows', where there are some and each has every required field."""
   def rows(record):
@@ -389,6 +432,31 @@ KINDS: tuple[Kind, ...] = (
           Column('t5x ms', _get('proposal_ms', 't5x'), 'f3'),
           Column('transposed ms', _get('proposal_ms', 'transposed'), 'f3'),
           Column('kernel ms', _get('proposal_ms', 'kernel'), 'f3'))),
+    Kind('accelerator_steps', 'Accelerator: step costs at T5.1.1 shapes (jaxspec-accelerator-bench)',
+         'Part a: a cached decode step in bfloat16 with random weights, one position and k '
+         'positions (V(k) = step(k) / step(1)); bandwidth: the bytes a step reads over its '
+         'time and the device\'s peak; c: the int8 self-draft\'s and T5.1.1-small\'s step '
+         'over the target\'s.',
+         _accelerator_step_rows,
+         (Column('device', _get('device')), Column('target', _get('target')),
+          Column('parameters', lambda r: _millions(r.get('parameters'))),
+          Column('batch', _get('batch')), Column('step ms', _get('step_ms'), 'f3'),
+          Column('bandwidth', _get('bandwidth'), 'f2'))
+         + tuple(Column(f'V({k})', _get(f'V{k}'), 'f2') for k in (2, 4, 6, 8, 9))
+         + (Column('int8 c', _get('int8_c'), 'f3'), Column('small c', _get('small_c'), 'f3'))),
+    Kind('accelerator_end_to_end', 'Accelerator: end to end (jaxspec-accelerator-bench)',
+         'Part d: the baseline and speculative decoding with the pair\'s small draft '
+         'interleaved; steps: the target\'s fixed step width (T5Config.decode_positions; '
+         '- : each step as wide as its tokens); identical: greedy outputs token for token '
+         'the baseline\'s.',
+         _accelerator_end_to_end_rows,
+         (Column('device', _get('device')), Column('pair', _get('pair')),
+          Column('dtype', _get('dtype')), Column('steps', _get('steps')),
+          Column('batch', _get('batch')), _T,
+          Column('baseline tokens/s', _get('baseline'), 'f0'),
+          Column('speculative tokens/s', _get('speculative'), 'f0'),
+          Column('speedup', _get('speedup'), 'x'), Column('alpha', _get('alpha'), 'f3'),
+          Column('identical', _get('identical')))),
     Kind('peers', 'Peers: transformers\' greedy and assisted generation on the same weights',
          '`jaxspec-bench-peers`: every decoder greedy on the same examples, batch 1, median of '
          'the repeats.',
