@@ -194,12 +194,18 @@ def _megabytes(value):
 _TARGET = Column('target', _get('_target'))
 _T = Column('T', _get('temperature'), 'g')
 
+
+def _accelerator_part(record, name: str) -> tuple[dict, Any]:
+  """(part `name` of a jaxspec-accelerator-bench record, or {}; the device's kind)."""
+  if record.get('kind') != 'accelerator_bench':
+    return {}, None
+  return ((record.get('parts') or {}).get(name) or {},
+          (record.get('device') or {}).get('device_kind'))
+
+
 def _accelerator_step_rows(record):
   """jaxspec-accelerator-bench part a: a row per (target, batch) with a one-position step."""
-  if record.get('kind') != 'accelerator_bench':
-    return []
-  part = (record.get('parts') or {}).get('step_costs') or {}
-  device = (record.get('device') or {}).get('device_kind')
+  part, device = _accelerator_part(record, 'step_costs')
   rows = []
   for entry in (part.get('targets') or {}).values():
     for batch_key, measured in entry.items():
@@ -219,10 +225,7 @@ def _accelerator_step_rows(record):
 
 def _accelerator_end_to_end_rows(record):
   """jaxspec-accelerator-bench part d: a row per (dtype, step width, batch, T)."""
-  if record.get('kind') != 'accelerator_bench':
-    return []
-  part = (record.get('parts') or {}).get('end_to_end') or {}
-  device = (record.get('device') or {}).get('device_kind')
+  part, device = _accelerator_part(record, 'end_to_end')
   rows = []
   for row in part.get('rows') or []:
     if 'speculative' not in row:
