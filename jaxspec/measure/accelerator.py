@@ -160,7 +160,9 @@ def _shapes(tree):
 
 
 def int8_draft_shapes(target_params: Mapping[str, Any]) -> dict:
-  """ShapeDtypeStructs of Int8Drafter.draft_params(target_params), without quantizing.
+  """ShapeDtypeStructs of Int8Drafter.draft_params(target_params) as an accelerator gets
+  them (every matrix [out, in]; the CPU kernel's VNNI build gets them tiled), without
+  quantizing.
 
   jaxspec.model.quantization.int8_decoder decides which leaves turn int8: it runs on a
   stand-in of the target with every leaf one element wide, and each leaf it returns is
