@@ -217,3 +217,21 @@ def test_settings_that_would_lose_the_identity_are_refused():
                          max_decode_length=8)
   with pytest.raises(ValueError, match='decode_positions must be >= 0'):
     get_config('test_tiny_1_1', decode_positions=-1)
+
+
+def test_coupled_sampling_keeps_the_baselines_draws_in_bfloat16(shipped_bfloat16):
+  """Coupled verification draws each position with the baseline's noise: with the target's
+  logits bit for bit the baseline's, sampled outputs are the baseline's too."""
+  from jaxspec.sampling import SamplingConfig  # pylint: disable=import-outside-toplevel
+  pair, inputs = shipped_bfloat16
+  config = pair.target_config.replace(cpu_matmul='xla', decode_positions=WIDTH)
+  sampling = SamplingConfig(temperature=1.0)
+  rows = inputs[:16]
+  baseline = generate(pair.target_params, rows, jax.random.PRNGKey(7), config=config,
+                      max_decode_length=pair.max_decode_length, sampling=sampling)
+  result = speculative_generate(
+      pair.target_params, pair.draft_params, rows, jax.random.PRNGKey(7), target_config=config,
+      drafter=T5Drafter(pair.draft_config.replace(cpu_matmul='xla')),
+      spec=SpeculativeConfig(gamma=WIDTH - 1, verification='coupled'),
+      max_decode_length=pair.max_decode_length, sampling=sampling)
+  np.testing.assert_array_equal(result.output.tokens, baseline.tokens)
