@@ -166,6 +166,7 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k,
   return ffi::Error::Success();
 }
 
+// The queries of (row, head) pairs [begin, end) (pair = row * heads + head).
 template <typename NumKeys>
 void AttendPairs(const Shapes& s, const float* qp, const float* kp, const float* vp,
                  const float* bp, const NumKeys& num_keys, int64_t begin, int64_t end,
@@ -175,21 +176,19 @@ void AttendPairs(const Shapes& s, const float* qp, const float* kp, const float*
   for (int64_t pair = begin; pair < end; ++pair) {
     const int64_t b = pair / s.heads, h = pair % s.heads;
     const int64_t n = std::clamp<int64_t>(num_keys(b), 0, s.slots);
-    {
-      const float* head_keys = kp + (b * s.heads + h) * s.head_dim * s.slots;
-      const float* head_values = vp + (b * s.heads + h) * s.head_dim * s.slots;
-      const int64_t bias_head = s.bias_heads == 1 ? 0 : h;
-      for (int64_t i = 0; i < s.queries; ++i) {
-        const int64_t row = (b * s.queries + i) * s.heads + h;
-        float* result = op + row * s.head_dim;
-        if (n == 0) {
-          std::fill(result, result + s.head_dim, 0.0f);
-          continue;
-        }
-        AttendOne(qp + row * s.head_dim, head_keys, head_values,
-                  bp + ((b * s.bias_heads + bias_head) * s.queries + i) * s.slots,
-                  s.head_dim, s.slots, n, weights.data(), result);
+    const float* head_keys = kp + (b * s.heads + h) * s.head_dim * s.slots;
+    const float* head_values = vp + (b * s.heads + h) * s.head_dim * s.slots;
+    const int64_t bias_head = s.bias_heads == 1 ? 0 : h;
+    for (int64_t i = 0; i < s.queries; ++i) {
+      const int64_t row = (b * s.queries + i) * s.heads + h;
+      float* result = op + row * s.head_dim;
+      if (n == 0) {
+        std::fill(result, result + s.head_dim, 0.0f);
+        continue;
       }
+      AttendOne(qp + row * s.head_dim, head_keys, head_values,
+                bp + ((b * s.bias_heads + bias_head) * s.queries + i) * s.slots,
+                s.head_dim, s.slots, n, weights.data(), result);
     }
   }
 }
@@ -204,7 +203,8 @@ void AttendAll(const xla::ffi::ThreadPool& pool, const Shapes& s, const float* q
                float* op) {
   const int64_t pairs = s.batch * s.heads;
   jaxspec_kernels::SpinPool& helpers = jaxspec_kernels::Helpers(pool);
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(helpers.num_helpers() + 1, pairs));
+  const int64_t parts =
+      std::max<int64_t>(1, std::min<int64_t>(helpers.num_helpers() + 1, pairs));
   const int64_t per_part = (pairs + parts - 1) / parts;
   helpers.Run(parts, [&](int64_t p) {
     AttendPairs(s, qp, kp, vp, bp, num_keys, p * per_part,
@@ -212,9 +212,10 @@ void AttendAll(const xla::ffi::ThreadPool& pool, const Shapes& s, const float* q
   });
 }
 
-ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> keys,
-                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> bias,
-                           ffi::Buffer<ffi::S32> num_keys, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
+                           ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
+                           ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> num_keys,
+                           ffi::ResultBuffer<ffi::F32> out) {
   Shapes s;
   if (ffi::Error error = CheckShapes(query.dimensions(), keys.dimensions(), values.dimensions(),
                                      bias.dimensions(), num_keys.element_count(), &s);
@@ -246,9 +247,10 @@ void WriteSlots(const Shapes& s, const float* new_rows, const int32_t* starts, f
 // step's new keys/values [b, t, h, d] go into the buffers at slots starts[b] + 0..t-1, in
 // place (the results alias the buffers; copied first only where XLA gave other memory),
 // then every query attends over the first starts[b] + t slots.
-ffi::Error CachedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> new_keys,
-                                ffi::Buffer<ffi::F32> new_values, ffi::Buffer<ffi::F32> keys,
-                                ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> bias,
+ffi::Error CachedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
+                                ffi::Buffer<ffi::F32> new_keys, ffi::Buffer<ffi::F32> new_values,
+                                ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
+                                ffi::Buffer<ffi::F32> bias,
                                 ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
                                 ffi::ResultBuffer<ffi::F32> keys_out,
                                 ffi::ResultBuffer<ffi::F32> values_out) {
