@@ -35,6 +35,13 @@ LAYER_NORM_EPSILON = 1e-6
 default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
 
 
+def fixed_step_width(config: T5Config, role: str) -> int:
+  """The width every cached decode step of this model runs at (0: as wide as its
+  tokens): config.decode_positions for a target; a draft's steps stay as they are, since
+  its rounding changes only what it proposes."""
+  return config.decode_positions if role == TARGET else 0
+
+
 class RMSNorm(nn.Module):
   """T5 layer norm: x * rsqrt(mean(x^2) + eps) * scale, computed in float32."""
   config: T5Config
@@ -118,10 +125,7 @@ def project_together(x, projections, config: T5Config):
 def _int8_shape(existing, out: int, inputs: int) -> tuple[int, ...]:
   """The shape int8 weights of [out, in] have in the form `existing` is stored in:
   [out, in], or tiled [out / 64, in / 4, 64, 4] (jaxspec.model.quantization.tile_int8)."""
-  if existing.ndim == 4:
-    return (out // cpu_matmul.TILE_OUTPUTS, inputs // cpu_matmul.TILE_INPUTS,
-            cpu_matmul.TILE_OUTPUTS, cpu_matmul.TILE_INPUTS)
-  return (out, inputs)
+  return cpu_matmul.tiled_int8_shape(out, inputs) if existing.ndim == 4 else (out, inputs)
 
 
 def _existing(rng, shape, dtype):
@@ -302,7 +306,7 @@ class MultiHeadAttention(nn.Module):
     (jaxspec.model.cpu.attention.attend_and_write)."""
     out, keys, values = cpu_attention.attend_and_write(
         query, new_keys, new_values, keys, values, bias, starts, self.config.cpu_matmul,
-        keys_in_slots=self.config.decode_positions > 0 and self.role == TARGET)
+        keys_in_slots=fixed_step_width(self.config, self.role) > 0)
     out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
     return constrain(self.out(out), EMBED_AXES, self.role), keys, values
 

@@ -74,10 +74,9 @@ def tileable(q) -> bool:
 def tile_int8(q) -> np.ndarray:
   """int8 rows q [out, in] (tileable) -> [out / 64, in / 4, 64, 4]: element [t, g, j, k]
   is q[64 t + j, 4 g + k], each tile's 64 outputs side by side per group of 4 inputs."""
-  out, inputs = q.shape
-  tiles = np.asarray(q).reshape(out // cpu_matmul.TILE_OUTPUTS, cpu_matmul.TILE_OUTPUTS,
-                                inputs // cpu_matmul.TILE_INPUTS, cpu_matmul.TILE_INPUTS)
-  return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
+  tiles, groups, outputs, inputs = cpu_matmul.tiled_int8_shape(*q.shape)
+  return np.ascontiguousarray(
+      np.asarray(q).reshape(tiles, outputs, groups, inputs).transpose(0, 2, 1, 3))
 
 
 def _quantize_tree(tree: Mapping[str, Any], path: tuple[str, ...], tiled: bool) -> dict:

@@ -189,7 +189,7 @@ class Decoder(nn.Module):
     buffer) and their logits are dropped.
     """
     num_new = decoder_tokens.shape[1]
-    width = self.config.decode_positions if self.role == TARGET else 0  # drafts: as they are
+    width = layers.fixed_step_width(self.config, self.role)
     if tree is None and num_new < width:
       padded = jnp.pad(decoder_tokens, ((0, 0), (0, width - num_new)))  # [b, w]
       logits, new_cache = self._step(padded, cache, None)

@@ -326,6 +326,11 @@ def int8_tiles_apply() -> bool:
   return use_kernel(KERNEL) and kernel_isa() == 'avx512'
 
 
+def tiled_int8_shape(out: int, inputs: int) -> tuple[int, int, int, int]:
+  """The tiled form's shape [out / 64, in / 4, 64, 4] of int8 weights [out, in]."""
+  return out // TILE_OUTPUTS, inputs // TILE_INPUTS, TILE_OUTPUTS, TILE_INPUTS
+
+
 def int8_shape(w_q) -> tuple[int, int]:
   """(out, in) of int8 weights [out, in] or tiled [out / 64, in / 4, 64, 4]."""
   if w_q.ndim == 4:
