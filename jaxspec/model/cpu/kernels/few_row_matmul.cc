@@ -19,18 +19,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <memory>
-#include <mutex>
-#include <pthread.h>
-#include <sched.h>
-#include <thread>
 #include <vector>
 
 #include "float_vectors.h"
