@@ -8,7 +8,8 @@ one-position steps do, and greedy speculative outputs stay the baseline's.
 - The attention's keys in their slots (cpu.attention.slots_with_new) against numpy.
 - End to end on the shipped pair in bfloat16: greedy speculative decoding is the
   baseline row for row with the setting, and is not without it.
-- Settings: a width narrower than the verify step, or a token tree, is refused by name.
+- Settings: a width narrower than the verify step (speculative sampling or beam search),
+  or a token tree, is refused by name.
 """
 
 import jax
@@ -20,8 +21,10 @@ from jaxspec import pairs
 from jaxspec.config import get_config
 from jaxspec.data import corpora
 from jaxspec.decoding.baseline import generate
+from jaxspec.decoding.beam_search import BeamConfig
 from jaxspec.decoding.drafters import Int8Drafter, T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
+from jaxspec.decoding.speculative_beam import SpeculativeBeamConfig, speculative_beam_generate
 from jaxspec.model import T5, init_params
 from jaxspec.model.cache import rollback
 from jaxspec.model.cpu import attention as cpu_attention
@@ -215,6 +218,11 @@ def test_settings_that_would_lose_the_identity_are_refused():
     speculative_generate(target_params, draft_params, tokens, target_config=config,
                          drafter=T5Drafter(draft), spec=SpeculativeConfig(gamma=1, num_drafts=2),
                          max_decode_length=8)
+  with pytest.raises(ValueError, match=r'decode_positions \(4\) is narrower than the '
+                     r"target's verify step of 6 positions"):
+    speculative_beam_generate(target_params, draft_params, tokens, target_config=config,
+                              draft_config=draft, beam=BeamConfig(num_beams=2),
+                              spec=SpeculativeBeamConfig(gamma=5), max_decode_length=8)
   with pytest.raises(ValueError, match='decode_positions must be >= 0'):
     get_config('test_tiny_1_1', decode_positions=-1)
 

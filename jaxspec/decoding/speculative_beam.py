@@ -262,6 +262,7 @@ def speculative_beam_generate(target_params, draft_params, encoder_tokens, *,
                      'chosen by jaxspec.decoding.auto_gamma.AutoBeamDecoder (as the '
                      'launcher does)')
   validation.check_encoder_tokens(encoder_tokens, target_config.vocab_size)
+  validation.check_decode_positions(target_config, spec.gamma + 1)
   bs.check_beam_settings(beam, max_decode_length)
   if spec.draft_width(beam.num_beams) < beam.num_beams:
     raise ValueError(f'draft_beams ({spec.draft_beams}) must be >= num_beams '
