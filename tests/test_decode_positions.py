@@ -5,7 +5,7 @@ one-position steps do, and greedy speculative outputs stay the baseline's.
 - The model: with a fixed width, logits of steps of any width up to it, with rollbacks
   and rows at different positions in between, equal one-position steps' bit for bit;
   without it they do not (the check has power).
-- The attention's keys in their slots (cpu.attention.slots_with_new) against numpy.
+- The attention with every key in its slot (written first, then attended) against numpy.
 - End to end on the shipped pair in bfloat16: greedy speculative decoding is the
   baseline row for row with the setting, and is not without it.
 - Settings: a width narrower than the verify step (speculative sampling or beam search),
@@ -119,36 +119,35 @@ def test_a_padded_step_advances_the_cache_by_its_own_tokens():
   np.testing.assert_array_equal(cache.end_index, [15, 16])
 
 
-def test_keys_in_their_slots_match_numpy():
-  rng = np.random.default_rng(0)
-  buffer = rng.standard_normal((2, 3, 4, 10)).astype(np.float32)  # [b, h, d, L]
-  new = rng.standard_normal((2, 3, 3, 4)).astype(np.float32)  # [b, t, h, d]
-  starts = np.array([2, 8])  # row 1's last slot falls past the buffer
-  expected = buffer.copy()
-  for b, start in enumerate(starts):
+def _keys_in_slots(buffer, new, starts):
+  """numpy: buffer [b, h, d, L] with new [b, t, h, d] at slots starts[b] + j, those past
+  L dropped."""
+  expected = np.array(buffer, copy=True)
+  for b, start in enumerate(np.asarray(starts)):
     for j in range(new.shape[1]):
       if start + j < buffer.shape[3]:
-        expected[b, :, :, start + j] = new[b, j]
-  merged = cpu_attention.slots_with_new(jnp.asarray(buffer), jnp.asarray(new),
-                                        jnp.asarray(starts))
-  np.testing.assert_array_equal(merged, expected)
+        expected[b, :, :, start + j] = np.asarray(new)[b, j]
+  return expected
 
 
-def test_attention_with_keys_in_slots_is_attention_after_the_write():
-  rng = np.random.default_rng(1)
-  b, t, h, d, length = 2, 3, 2, 8, 12
+@pytest.mark.parametrize('starts', [[3, 6], [2, 10], [10]])
+def test_attention_with_keys_in_slots_is_attention_after_the_write(starts):
+  """Rows at different slots, a row whose last new key falls past the buffer (dropped),
+  and one row (the buffers' window write)."""
+  rng = np.random.default_rng(len(starts) + starts[0])
+  b, t, h, d, length = len(starts), 3, 2, 8, 12
   query, new_keys, new_values = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
                                  for _ in range(3))
   keys, values = (jnp.asarray(rng.standard_normal((b, h, d, length)), jnp.float32)
                   for _ in range(2))
-  starts = jnp.asarray([3, 6])
+  starts = jnp.asarray(starts)
   positions = starts[:, None] + jnp.arange(t)[None, :]  # [b, t]
   bias = jnp.where(jnp.arange(length)[None, None, :] <= positions[:, :, None], 0.0,
                    -1e10)[:, None]  # [b, 1, t, L]
   out, written_keys, written_values = cpu_attention.xla_attend_and_write(
       query, new_keys, new_values, keys, values, bias, starts, keys_in_slots=True)
-  reference_keys = cpu_attention.slots_with_new(keys, new_keys, starts)
-  reference_values = cpu_attention.slots_with_new(values, new_values, starts)
+  reference_keys = _keys_in_slots(keys, new_keys, starts)
+  reference_values = _keys_in_slots(values, new_values, starts)
   np.testing.assert_array_equal(written_keys, reference_keys)
   np.testing.assert_array_equal(written_values, reference_values)
   logits = np.einsum('bthd,bhds->bhts', query, reference_keys) + bias

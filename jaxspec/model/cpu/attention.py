@@ -109,20 +109,23 @@ def xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts
   so XLA updates them in place: attending after the write made it copy the buffers
   whole at every step of a one-row decode loop.
 
-  keys_in_slots: the queries attend over copies of the buffers with the step's own
-  keys/values placed in their slots (slots_with_new), one product over the L slots, so
-  every key is summed in its slot's place whichever step brought it; the written
-  buffers are still the buffers' last use."""
+  keys_in_slots: the step's keys/values are written first and the queries attend over
+  the written buffers, one product over the L slots, so every key is summed in its slot's
+  place whichever step brought it. The write is the old buffers' last use and the
+  products read the new ones, so XLA writes in place and copies nothing; a select of the
+  step's keys into a copy of each buffer, read before the write, cost a copy of both
+  buffers per layer and step, which grows with the cache's length."""
   steps, length = query.shape[1], keys.shape[3]
   new_keys, new_values = new_keys.astype(keys.dtype), new_values.astype(values.dtype)
   slots = starts[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]  # [b, t]
   if keys_in_slots:
-    logits = jnp.einsum('bthd,bhds->bhts', query, slots_with_new(keys, new_keys, starts),
+    keys, values = cache_lib.write_all((keys, values), (new_keys, new_values), slots)
+    logits = jnp.einsum('bthd,bhds->bhts', query, keys,
                         preferred_element_type=jnp.float32) + bias  # [b, h, t, L]
     weights = jax.nn.softmax(logits, axis=-1).astype(values.dtype)
-    out = jnp.einsum('bhts,bhds->bthd', weights, slots_with_new(values, new_values, starts),
+    out = jnp.einsum('bhts,bhds->bthd', weights, values,
                      preferred_element_type=jnp.float32).astype(values.dtype)
-    return (out,) + _write_after(out, keys, values, new_keys, new_values, slots)
+    return out, keys, values
   cached = jnp.arange(length, dtype=jnp.int32)[None, :] < starts[:, None]  # [b, L]
   cached_bias = jnp.where(cached[:, None, None, :], bias, NEG_INF)  # [b, h|1, t, L]
   # The bias of the step's own slots; a slot past the buffer is dropped, as its write.
@@ -152,19 +155,6 @@ def _write_after(out, keys, values, new_keys, new_values, slots):
   read = jnp.sum(out)
   slots = jnp.where(read == read, slots, keys.shape[3])
   return cache_lib.write_all((keys, values), (new_keys, new_values), slots)
-
-
-def slots_with_new(buffer, new, starts):
-  """buffer [b,h,d,L] with new [b,t,h,d] in slots starts[b] + 0..t-1 (those past L
-  dropped), as a fresh array: a select between the buffer and a gather of `new`, which
-  leaves the buffer itself to the step's write."""
-  steps, length = new.shape[1], buffer.shape[3]
-  offset = jnp.arange(length, dtype=jnp.int32)[None, :] - starts[:, None]  # [b, L]
-  is_new = (offset >= 0) & (offset < steps)  # [b, L]
-  index = jnp.broadcast_to(jnp.clip(offset, 0, steps - 1)[:, None, None, :],
-                           buffer.shape)  # [b, h, d, L]
-  placed = jnp.take_along_axis(jnp.transpose(new, (0, 2, 3, 1)), index, axis=3)
-  return jnp.where(is_new[:, None, None, :], placed, buffer)
 
 
 def applies_write(query, new_keys, new_values, keys, values, bias) -> bool:
