@@ -182,9 +182,21 @@ TILED_CONFIG = get_config('test_tiny_1_1', vocab_size=128, emb_dim=64, num_heads
                           head_dim=32, mlp_dim=128)
 
 
+def test_embedding_rows_gather_from_the_tiles():
+  """The lookup of a tiled int8 table gathers row v from tile v // 64, lane v % 64."""
+  from jaxspec.model.layers import _int8_rows
+  from jaxspec.model.quantization import tile_int8
+  table = (np.arange(192 * 8) % 251 - 125).astype(np.int8).reshape(192, 8)
+  tokens = jnp.asarray([[0, 63, 64], [127, 128, 191]], jnp.int32)
+  np.testing.assert_array_equal(_int8_rows(jnp.asarray(tile_int8(table)), tokens),
+                                table[np.asarray(tokens)])
+  np.testing.assert_array_equal(_int8_rows(jnp.asarray(table), tokens),
+                                table[np.asarray(tokens)])
+
+
 def test_tiled_params_hold_the_kernels_tiles_and_decode_bit_for_bit_alike():
-  """int8_decoder(tiled=True) stores every matrix in the kernel's tiles (and a tiled
-  copy of the embedding for the logits); the draft's logits equal the [out, in] form's
+  """int8_decoder(tiled=True) stores every matrix in the kernel's tiles (the embedding
+  table too, which the lookup reads as well); the draft's logits equal the [out, in] form's
   bit for bit wherever the kernel computes them, and through XLA up to float32 rounding."""
   from jaxspec.model.cpu import matmul as cpu_matmul
   target = kernel_layout.transposed_kernels(
@@ -193,14 +205,17 @@ def test_tiled_params_hold_the_kernels_tiles_and_decode_bit_for_bit_alike():
   tiled = int8_decoder(target, tiled=True)['params']
   wo = tiled['decoder']['layers_0']['mlp']['wo']['kernel_int8']
   assert wo.shape == (1, 32, 64, 4)  # [64, 128] as [out / 64, in / 4, 64, 4]
-  assert tiled['token_embedder']['embedding_int8_tiled'].shape == (2, 16, 64, 4)
-  assert 'embedding_int8_tiled' not in rows_form['token_embedder']
-  np.testing.assert_array_equal(tiled['token_embedder']['embedding_int8'],
-                                rows_form['token_embedder']['embedding_int8'])
+  # One embedding table, tiled: the logits multiply it and the lookup gathers from it.
+  assert tiled['token_embedder']['embedding_int8'].shape == (2, 16, 64, 4)
+  assert rows_form['token_embedder']['embedding_int8'].shape == (128, 64)
+  np.testing.assert_array_equal(
+      cpu_matmul.untile_int8(jnp.asarray(tiled['token_embedder']['embedding_int8'])),
+      rows_form['token_embedder']['embedding_int8'])
   tokens = jnp.asarray(np.random.default_rng(6).integers(2, 128, (3, 9)), jnp.int32)
   model = T5(TILED_CONFIG)
   encoded = model.apply(target, tokens, method=T5.encode)
-  decoder_tokens = jnp.asarray([[0, 7, 9, 11]] * 3, jnp.int32)
+  # Tokens of both tiles of the 128-token table, so that the lookup's gather counts.
+  decoder_tokens = jnp.asarray([[0, 70, 99, 127], [0, 5, 64, 63], [0, 127, 1, 65]], jnp.int32)
   logits = {}
   for name, params in (('rows', rows_form), ('tiled', tiled)):
     for setting in (cpu_matmul.KERNEL, cpu_matmul.XLA):

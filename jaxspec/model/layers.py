@@ -26,10 +26,10 @@ KERNEL_T_PARAM = 'kernel_t'  # The same kernel transposed, [out, in] (jaxspec.mo
 # An int8 kernel [out, in] and its float32 scale per output (jaxspec.model.quantization).
 KERNEL_INT8 = 'kernel_int8'
 KERNEL_SCALE = 'kernel_scale'
-EMBEDDING_INT8 = 'embedding_int8'  # An int8 embedding table [vocab, embed] ...
+# An int8 embedding table [vocab, embed], or tiled [vocab / 64, embed / 4, 64, 4] for the
+# kernel's logits (jaxspec.model.quantization.tile_int8) ...
+EMBEDDING_INT8 = 'embedding_int8'
 EMBEDDING_SCALE = 'embedding_scale'  # ... and its float32 scale per token [vocab].
-# The same int8 table tiled for the kernel's logits (jaxspec.model.quantization.tile_int8).
-EMBEDDING_INT8_TILED = 'embedding_int8_tiled'
 LAYER_NORM_EPSILON = 1e-6
 
 default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
@@ -140,27 +140,35 @@ def _transposed_init(kernel_init):
   return lambda rng, shape, dtype: kernel_init(rng, shape[::-1], dtype).T
 
 
+def _int8_rows(table, tokens):
+  """Rows `tokens` [...] of an int8 table [vocab, embed] or of its tiles [vocab / 64,
+  embed / 4, 64, 4] (row v: tile v // 64, lane v % 64) -> [..., embed] int8."""
+  table = jnp.asarray(table)
+  if table.ndim == 2:
+    return jnp.take(table, tokens, axis=0)
+  tile_outputs = table.shape[2]
+  rows = table[tokens // tile_outputs, :, tokens % tile_outputs, :]  # [..., embed / 4, 4]
+  return rows.reshape(tokens.shape + (table.shape[1] * table.shape[3],))
+
+
 class Embed(nn.Module):
   """Token embedding table [vocab, embed]; `attend` gives tied logits.
 
-  Params made by jaxspec.model.quantization hold `embedding_int8` [vocab, embed] and
-  `embedding_scale` [vocab] instead (int8 drafts): row v of the table is
-  embedding_int8[v] * embedding_scale[v], and the tied logits read `embedding_int8_tiled`
-  (the same table in the kernel's tiles) where the params hold it.
+  Params made by jaxspec.model.quantization hold `embedding_int8` [vocab, embed] (or the
+  same table in the kernel's tiles, [vocab / 64, embed / 4, 64, 4], which both the lookup
+  and the tied logits read) and `embedding_scale` [vocab] instead (int8 drafts): row v of
+  the table is embedding_int8[v] * embedding_scale[v].
   """
   config: T5Config
 
   def setup(self):
     shape = (self.config.vocab_size, self.config.emb_dim)
     if self.has_variable('params', EMBEDDING_INT8):
-      self.embedding_int8 = self.param(EMBEDDING_INT8, _existing, shape, jnp.int8)
+      self.embedding_int8 = self.param(
+          EMBEDDING_INT8, _existing,
+          _int8_shape(self.get_variable('params', EMBEDDING_INT8), *shape), jnp.int8)
       self.embedding_scale = self.param(EMBEDDING_SCALE, _existing, shape[:1],
                                         jnp.float32)
-      self.embedding_int8_tiled = (
-          self.param(EMBEDDING_INT8_TILED, _existing,
-                     _int8_shape(self.get_variable('params', EMBEDDING_INT8_TILED), *shape),
-                     jnp.int8)
-          if self.has_variable('params', EMBEDDING_INT8_TILED) else None)
       return
     self.embedding = param_with_axes(
         'embedding', nn.initializers.normal(stddev=1.0), shape,
@@ -172,16 +180,15 @@ class Embed(nn.Module):
 
   def __call__(self, tokens):  # [b, t] int -> [b, t, e]
     if self.is_int8:
-      rows = jnp.take(self.embedding_int8, tokens, axis=0).astype(jnp.float32)
+      rows = _int8_rows(self.embedding_int8, tokens).astype(jnp.float32)
       scale = jnp.take(self.embedding_scale, tokens, axis=0)[..., None]
       return (rows * scale).astype(self.config.compute_dtype)
     return jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_dtype)
 
   def attend(self, x):  # [b, t, e] -> [b, t, v] float32
     if self.is_int8:
-      table = (self.embedding_int8 if self.embedding_int8_tiled is None
-               else self.embedding_int8_tiled)
-      return cpu_matmul.matmul_int8(x, table, self.embedding_scale, self.config.cpu_matmul)
+      return cpu_matmul.matmul_int8(x, self.embedding_int8, self.embedding_scale,
+                                    self.config.cpu_matmul)
     # The table is [v, e], the [out, in] layout: a few positions run through the few-row
     # kernel on CPU; otherwise XLA contracts into [b, v, t] and swaps, since XLA:CPU runs
     # x @ embedding.T several times slower once t >= 2 (a verify step).

@@ -22,8 +22,8 @@ the tied logits). Params name their form: `kernel_int8` + `kernel_scale`,
 Where the CPU kernel's AVX-512 VNNI build computes the products
 (jaxspec.model.cpu.matmul.int8_tiles_apply), int8_decoder stores each matrix tiled: the
 kernel then sums 16 outputs in the lanes of one vector with no sum across lanes
-(few_row_matmul.cc, "Tiled int8 weights"). The tied logits read a tiled copy of the
-embedding table, `embedding_int8_tiled`, while the lookup reads the rows.
+(few_row_matmul.cc, "Tiled int8 weights"). The embedding table is tiled too, one copy
+that the tied logits multiply and the lookup gathers its rows from.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import numpy as np
 
 from jaxspec.model.cpu import matmul as cpu_matmul
 from jaxspec.model.cpu.layout import transposed_kernels
-from jaxspec.model.layers import (EMBEDDING_INT8, EMBEDDING_INT8_TILED, EMBEDDING_SCALE,
-                                  KERNEL_INT8, KERNEL_SCALE, KERNEL_T_PARAM)
+from jaxspec.model.layers import (EMBEDDING_INT8, EMBEDDING_SCALE, KERNEL_INT8, KERNEL_SCALE,
+                                  KERNEL_T_PARAM)
 
 INT8_MAX = 127
 # Kernels used only once per input (cross-attention keys and values of the encoding):
@@ -88,9 +88,8 @@ def _quantize_tree(tree: Mapping[str, Any], path: tuple[str, ...], tiled: bool) 
       q, out[KERNEL_SCALE] = quantize_rows(value)
       out[KERNEL_INT8] = tile_int8(q) if tiled and tileable(q) else q
     elif key == 'embedding' and path[-1:] == ('token_embedder',):
-      out[EMBEDDING_INT8], out[EMBEDDING_SCALE] = quantize_rows(value)
-      if tiled and tileable(out[EMBEDDING_INT8]):
-        out[EMBEDDING_INT8_TILED] = tile_int8(out[EMBEDDING_INT8])
+      q, out[EMBEDDING_SCALE] = quantize_rows(value)
+      out[EMBEDDING_INT8] = tile_int8(q) if tiled and tileable(q) else q
     else:
       out[key] = np.asarray(value)
   return out
