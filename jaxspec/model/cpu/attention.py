@@ -106,8 +106,8 @@ def xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts
   """attend_and_write through XLA: the queries attend over the cache as it was (its
   slots from starts[b] on masked) and over the step's own keys/values, then the
   step's keys/values are written (cache.write_all) as the buffers' last use in the step,
-  so XLA updates them in place: attending after the write made it copy the buffers
-  whole at every step of a one-row decode loop.
+  so XLA updates them in place; the cached slots and the step's own keys are summed in
+  products of their own.
 
   keys_in_slots: the step's keys/values are written first and the queries attend over
   the written buffers, one product over the L slots, so every key is summed in its slot's
