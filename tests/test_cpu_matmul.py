@@ -304,6 +304,17 @@ def test_tiles_hold_each_weight_where_the_kernel_reads_it():
   assert not tileable(np.zeros((100, 8), np.int8)) and not tileable(np.zeros((64, 6), np.int8))
 
 
+def test_rows_gather_from_the_tiles():
+  """The lookup of a tiled int8 table gathers row v from tile v // 64, lane v % 64."""
+  from jaxspec.model.quantization import tile_int8
+  table = (np.arange(192 * 8) % 251 - 125).astype(np.int8).reshape(192, 8)
+  tokens = jnp.asarray([[0, 63, 64], [127, 128, 191]], jnp.int32)
+  np.testing.assert_array_equal(cpu_matmul.int8_rows(jnp.asarray(tile_int8(table)), tokens),
+                                table[np.asarray(tokens)])
+  np.testing.assert_array_equal(cpu_matmul.int8_rows(jnp.asarray(table), tokens),
+                                table[np.asarray(tokens)])
+
+
 @needs_kernel
 @needs_tiles
 @pytest.mark.parametrize('rows', [1, 2, 4, 5, 9, 32])

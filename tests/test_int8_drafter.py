@@ -182,18 +182,6 @@ TILED_CONFIG = get_config('test_tiny_1_1', vocab_size=128, emb_dim=64, num_heads
                           head_dim=32, mlp_dim=128)
 
 
-def test_embedding_rows_gather_from_the_tiles():
-  """The lookup of a tiled int8 table gathers row v from tile v // 64, lane v % 64."""
-  from jaxspec.model.layers import _int8_rows
-  from jaxspec.model.quantization import tile_int8
-  table = (np.arange(192 * 8) % 251 - 125).astype(np.int8).reshape(192, 8)
-  tokens = jnp.asarray([[0, 63, 64], [127, 128, 191]], jnp.int32)
-  np.testing.assert_array_equal(_int8_rows(jnp.asarray(tile_int8(table)), tokens),
-                                table[np.asarray(tokens)])
-  np.testing.assert_array_equal(_int8_rows(jnp.asarray(table), tokens),
-                                table[np.asarray(tokens)])
-
-
 def test_tiled_params_hold_the_kernels_tiles_and_decode_bit_for_bit_alike():
   """int8_decoder(tiled=True) stores every matrix in the kernel's tiles (the embedding
   table too, which the lookup reads as well); the draft's logits equal the [out, in] form's

@@ -140,17 +140,6 @@ def _transposed_init(kernel_init):
   return lambda rng, shape, dtype: kernel_init(rng, shape[::-1], dtype).T
 
 
-def _int8_rows(table, tokens):
-  """Rows `tokens` [...] of an int8 table [vocab, embed] or of its tiles [vocab / 64,
-  embed / 4, 64, 4] (row v: tile v // 64, lane v % 64) -> [..., embed] int8."""
-  table = jnp.asarray(table)
-  if table.ndim == 2:
-    return jnp.take(table, tokens, axis=0)
-  tile_outputs = table.shape[2]
-  rows = table[tokens // tile_outputs, :, tokens % tile_outputs, :]  # [..., embed / 4, 4]
-  return rows.reshape(tokens.shape + (table.shape[1] * table.shape[3],))
-
-
 class Embed(nn.Module):
   """Token embedding table [vocab, embed]; `attend` gives tied logits.
 
@@ -180,7 +169,7 @@ class Embed(nn.Module):
 
   def __call__(self, tokens):  # [b, t] int -> [b, t, e]
     if self.is_int8:
-      rows = _int8_rows(self.embedding_int8, tokens).astype(jnp.float32)
+      rows = cpu_matmul.int8_rows(self.embedding_int8, tokens).astype(jnp.float32)
       scale = jnp.take(self.embedding_scale, tokens, axis=0)[..., None]
       return (rows * scale).astype(self.config.compute_dtype)
     return jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_dtype)

@@ -346,6 +346,16 @@ def untile_int8(w_q):
   return jnp.transpose(w_q, (0, 2, 1, 3)).reshape(out, inputs)
 
 
+def int8_rows(w_q, indices):
+  """Rows `indices` [...] of int8 weights w_q [out, in] or tiled [out / 64, in / 4, 64, 4]
+  (row o: tile o // 64, lane o % 64) -> [..., in] int8, e.g. an int8 embedding's lookup."""
+  w_q = jnp.asarray(w_q)
+  if w_q.ndim != 4:
+    return jnp.take(w_q, indices, axis=0)
+  rows = w_q[indices // TILE_OUTPUTS, :, indices % TILE_OUTPUTS, :]  # [..., in / 4, 4]
+  return rows.reshape(indices.shape + (int8_shape(w_q)[1],))
+
+
 def xla_matmul_int8(x, w_q, scale):
   """matmul_int8 through XLA: x's rows quantized to int8 (quantize_activations), their
   products with the int8 w_q [out, in] (or tiled) summed in float32, times scale [out] and
