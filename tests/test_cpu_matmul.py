@@ -79,6 +79,74 @@ def test_where_the_kernel_applies():
 
 
 @needs_kernel
+def test_a_decoder_step_takes_any_rows_in_calls_of_the_kernels_limit():
+  """Within decode_step every product goes through the kernel (float32 in one call,
+  which sweeps its rows in groups; int8 in calls of at most INT8_CALL_ROWS rows), each
+  row bit for bit its one-row product (one matrix or several, with ended rows skipped)."""
+  rows = 2 * cpu_matmul.INT8_CALL_ROWS + 44  # three int8 calls, three float32 groups
+  x, w_t = (jnp.asarray(a) for a in _operands(rows, 96, 72, seed=5))
+  w_q, scale = (jnp.asarray(a) for a in _int8_operands(1, 96, 56, seed=5)[1:])
+  assert not cpu_matmul.applies(x[:33], w_t)
+  with cpu_matmul.decode_step():
+    assert cpu_matmul.applies(x, w_t) and cpu_matmul.applies_int8(x, w_q, scale)
+
+  def products(x):
+    return (cpu_matmul.matmul_transposed(x, w_t), *cpu_matmul.matmuls_transposed(x, (w_t, w_t)),
+            cpu_matmul.matmul_int8(x, w_q, scale),
+            *cpu_matmul.matmuls_int8(x, [(w_q, scale), (w_q, scale)]))
+
+  def in_step(x):
+    with cpu_matmul.decode_step():
+      return products(x)
+
+  jaxpr = str(jax.make_jaxpr(in_step)(x.reshape(4, rows // 4, 96)))
+  for name, calls in ((cpu_matmul.TARGET_NAME, 1), (cpu_matmul.MANY_TARGET_NAMES[2], 1),
+                      (cpu_matmul.INT8_TARGET_NAME, 3), (cpu_matmul.MANY_INT8_TARGET_NAMES[2], 3)):
+    assert jaxpr.count(f'target_name={name}\n') == calls, name
+  assert 'dot_general' not in jaxpr
+  wide = jax.jit(in_step)(x.reshape(4, rows // 4, 96))
+  singles = [jax.jit(products)(x[n:n + 1]) for n in range(rows)]
+  for k, got in enumerate(wide):
+    np.testing.assert_array_equal(np.asarray(got).reshape(rows, -1),
+                                  np.concatenate([np.asarray(s[k]) for s in singles]))
+  # Ended rows: zeros for them, the others unchanged, across the calls.
+  active = jnp.asarray(np.arange(4) != 2)
+
+  def masked(x):
+    with cpu_matmul.decode_step(), cpu_matmul.active_rows(active):
+      return products(x)
+
+  for got, full in zip(jax.jit(masked)(x.reshape(4, rows // 4, 96)), wide):
+    expected = np.asarray(full).copy()
+    expected[2] = 0.0
+    np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+@needs_kernel
+def test_a_wide_decoder_step_computes_each_row_as_one_position_steps_do():
+  """A verify step over more rows x positions than MAX_ROWS (here more than one group
+  of the kernel's sweep too) gives every position the logits of one-position steps, bit
+  for bit: what keeps speculative decoding exact at every batch size and gamma."""
+  config = get_config('test_tiny_1_1')
+  params = kernel_layout.transposed_kernels(
+      {'params': init_params(config, jax.random.PRNGKey(0))['params']})
+  batch, width = 24, 7  # 168 rows
+  rng = np.random.default_rng(6)
+  encoder_tokens = jnp.asarray(rng.integers(2, config.vocab_size, (batch, 6)), jnp.int32)
+  tokens = jnp.asarray(rng.integers(2, config.vocab_size, (batch, width)), jnp.int32)
+  model = T5(config)
+  encoded = model.apply(params, encoder_tokens, method=T5.encode)
+  cache = model.apply(params, encoded, encoder_tokens, 12, method=T5.init_cache)
+  decode = jax.jit(lambda tokens, cache: model.apply(params, tokens, cache, method=T5.decode))
+  wide, _ = decode(tokens, cache)
+  steps = []
+  for j in range(width):
+    logits, cache = decode(tokens[:, j:j + 1], cache)
+    steps.append(np.asarray(logits)[:, 0])
+  np.testing.assert_array_equal(np.asarray(wide), np.stack(steps, axis=1))
+
+
+@needs_kernel
 def test_gradients_and_vmap_match_xla():
   x, w_t = (jnp.asarray(a) for a in _operands(4, 48, 300, seed=2))
 

@@ -66,6 +66,24 @@ def test_rms_norm_matches_numpy(dtype):
   np.testing.assert_allclose(np.asarray(y, np.float64), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize('features', [1, 48, 512])
+def test_rms_norm_of_a_row_is_the_same_bit_for_bit_at_any_number_of_rows(features):
+  """A decode step's norms (pairwise_sum, no XLA reduction) give a position the same
+  values whether the step holds one position or many: XLA's own reduction rounds
+  differently past a few thousand elements, which a verify step of many rows x
+  positions reaches and a one-position step does not."""
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(300, features)).astype(np.float32)
+  scale = rng.normal(size=(features,)).astype(np.float32)
+  norm = jax.jit(lambda x: layers.RMSNorm(get_config('test_tiny_1_1')).apply(
+      {'params': {'scale': scale}}, x))
+  rows = np.concatenate([np.asarray(norm(jnp.asarray(x[n:n + 1]))) for n in range(300)])
+  for count in (7, 19, 133, 300):
+    np.testing.assert_array_equal(np.asarray(norm(jnp.asarray(x[:count]))), rows[:count])
+  sums = np.asarray(jax.jit(layers.pairwise_sum)(jnp.asarray(x)))  # [300, 1]
+  np.testing.assert_allclose(sums[:, 0], x.astype(np.float64).sum(-1), rtol=1e-5, atol=1e-5)
+
+
 def table_tree(config):
   """{path: (shape, logical axes)} as the t5x-compat.md parameter table lists them."""
   e, h, f, v = config.emb_dim, config.num_heads, config.mlp_dim, config.vocab_size

@@ -42,8 +42,26 @@ def fixed_step_width(config: T5Config, role: str) -> int:
   return config.decode_positions if role == TARGET else 0
 
 
+def pairwise_sum(values):
+  """values [..., n] -> [..., 1]: their sum in one fixed order (halves added pairwise, n
+  padded with zeros to a power of two), with no reduction for XLA to order: XLA:CPU sums a
+  reduction in an order that depends on the array's shape (past a few thousand elements
+  it takes another path), so a row's mean would round differently in a decode step of
+  many positions than in a one-position step. Elementwise additions round alike
+  whatever the shape."""
+  count = values.shape[-1]
+  width = 1 << max(count - 1, 0).bit_length()
+  values = jnp.pad(values, ((0, 0),) * (values.ndim - 1) + ((0, width - count),))
+  while values.shape[-1] > 1:
+    half = values.shape[-1] // 2
+    values = values[..., :half] + values[..., half:]
+  return values
+
+
 class RMSNorm(nn.Module):
-  """T5 layer norm: x * rsqrt(mean(x^2) + eps) * scale, computed in float32."""
+  """T5 layer norm: x * rsqrt(mean(x^2) + eps) * scale, computed in float32; the mean
+  in a fixed order (pairwise_sum), so that each position's norm is the same bit for bit
+  whatever the step's width."""
   config: T5Config
 
   @nn.compact
@@ -51,7 +69,7 @@ class RMSNorm(nn.Module):
     scale = param_with_axes('scale', nn.initializers.ones, (x.shape[-1],),
                             jnp.dtype(self.config.param_dtype), axes=('embed',))
     x = x.astype(jnp.float32)
-    variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    variance = pairwise_sum(jnp.square(x)) / x.shape[-1]  # [..., 1]
     y = x * jax.lax.rsqrt(variance + LAYER_NORM_EPSILON)
     return (y * scale.astype(jnp.float32)).astype(self.config.compute_dtype)
 

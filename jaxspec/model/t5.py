@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from jaxspec.config import T5Config
 from jaxspec.model import layers
+from jaxspec.model.cpu import matmul as cpu_matmul
 from jaxspec.model.cache import DecoderCache, LayerCache
 from jaxspec.model.sharding import CACHE_AXES, EMBED_AXES, TARGET, VOCAB_AXES, constrain
 
@@ -190,11 +191,14 @@ class Decoder(nn.Module):
     """
     num_new = decoder_tokens.shape[1]
     width = layers.fixed_step_width(self.config, self.role)
-    if tree is None and num_new < width:
-      padded = jnp.pad(decoder_tokens, ((0, 0), (0, width - num_new)))  # [b, w]
-      logits, new_cache = self._step(padded, cache, None)
-      return logits[:, :num_new], new_cache.replace(end_index=cache.end_index + num_new)
-    return self._step(decoder_tokens, cache, tree)
+    # Every product of the step through the CPU kernel whatever its rows (where it runs):
+    # the logits of a row are then the same at every step width.
+    with cpu_matmul.decode_step():
+      if tree is None and num_new < width:
+        padded = jnp.pad(decoder_tokens, ((0, 0), (0, width - num_new)))  # [b, w]
+        logits, new_cache = self._step(padded, cache, None)
+        return logits[:, :num_new], new_cache.replace(end_index=cache.end_index + num_new)
+      return self._step(decoder_tokens, cache, tree)
 
   def _step(self, decoder_tokens, cache: DecoderCache, tree: DecodeTree | None):
     num_new = decoder_tokens.shape[1]

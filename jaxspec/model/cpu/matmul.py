@@ -22,11 +22,14 @@ XLA's.
   matmuls_int8(x, pairs, kernel)     matmul_int8 against 2 or 3 (w_q, scale) pairs in ONE
                                      call (the rows quantized once)
   active_rows(active)                within it, products skip the rows of finished batch rows
+  decode_step()                      within it (a decoder step), products of any rows
+                                     go through the kernel
   kernel_available()                 builds (once) and registers the kernel; False if not
   kernel_status(cpu_matmul)          'kernel (avx512)' or 'XLA (why)': what steps use here
 
-Where it applies: float32 operands (int8 weights for matmul_int8), at most MAX_ROWS rows (the product of x's leading
-dims), JAX's default backend is the CPU, and `T5Config.cpu_matmul == 'kernel'`.
+Where it applies: float32 operands (int8 weights for matmul_int8), at most MAX_ROWS rows
+(the product of x's leading dims) or any rows within a decoder step (decode_step), JAX's
+default backend is the CPU, and `T5Config.cpu_matmul == 'kernel'`.
 Elsewhere (prefill, training, bfloat16, TPU/GPU) XLA's einsum runs as before.
 
 Exactness: the kernel sums every output in the same order whatever the number of rows,
@@ -66,7 +69,14 @@ import numpy as np
 from jaxspec.config import CPU_MATMUL_KERNEL as KERNEL
 from jaxspec.config import CPU_MATMUL_XLA as XLA
 from jaxspec.config import check_cpu_matmul
-MAX_ROWS = 32  # The kernel's limit on rows per product (kMaxRows in the source).
+# Products of at most MAX_ROWS rows go through the kernel anywhere (a batch-1 encoder's
+# too); within a decoder step (decode_step) every product does, so that a step's logits
+# are bit for bit the same at every width: a verify step over many rows x positions
+# computes each row as the baseline's one-position steps do. The float32 handlers take
+# any rows; the int8 handlers at most INT8_CALL_ROWS (kMaxRows in the source), more
+# running in several calls.
+MAX_ROWS = 32
+INT8_CALL_ROWS = 128
 TRANSPOSED_CONTRACTION_ROWS = 16  # XLA's [b, out, t] contraction up to this many positions.
 TARGET_NAME = 'jaxspec_few_row_matmul'
 INT8_TARGET_NAME = 'jaxspec_few_row_matmul_int8'
@@ -228,11 +238,50 @@ def _unavailable(reason: str) -> bool:
   return False
 
 
+_DECODE_STEP = contextvars.ContextVar('jaxspec_decode_step', default=False)
+
+
+@contextlib.contextmanager
+def decode_step():
+  """Within it (a decoder step, jaxspec.model.t5.Decoder) products of any number of rows
+  go through the kernel: each row's result is its one-row product's bit for bit,
+  whatever the step's width. Outside it only products of at most MAX_ROWS rows do
+  (XLA's einsum takes encoders' many rows)."""
+  token = _DECODE_STEP.set(True)
+  try:
+    yield
+  finally:
+    _DECODE_STEP.reset(token)
+
+
+def _kernel_takes(rows: int) -> bool:
+  """Whether a product of `rows` rows goes through the kernel (decode_step)."""
+  return rows >= 1 and (rows <= MAX_ROWS or _DECODE_STEP.get())
+
+
+def _in_calls(compute, x, flags):
+  """compute(x [r, in], flags [r]) -> a tuple of [r, out_k], over the rows of x [..., in]
+  in calls of at most INT8_CALL_ROWS rows of nearly equal size -> a tuple of
+  [..., out_k] (the int8 handlers' limit; a row's result depends on that row alone)."""
+  rows = flags.shape[0]
+  if rows <= INT8_CALL_ROWS:
+    return compute(x, flags)
+  lead = x.shape[:-1]
+  flat = x.reshape(rows, x.shape[-1])  # [rows, in]
+  calls = -(-rows // INT8_CALL_ROWS)
+  size = -(-rows // calls)
+  parts = [compute(flat[start:start + size], flags[start:start + size])
+           for start in range(0, rows, size)]
+  return tuple(jnp.concatenate(outputs, axis=0).reshape(lead + outputs[0].shape[-1:])
+               for outputs in zip(*parts))
+
+
 def applies(x, w_t) -> bool:
-  """Whether the kernel can compute x [..., in] @ w_t [out, in]^T (shapes and dtypes)."""
+  """Whether the kernel can compute x [..., in] @ w_t [out, in]^T (shapes and dtypes;
+  rows: decode_step)."""
   rows = int(np.prod(x.shape[:-1], dtype=np.int64))
   return (x.dtype == jnp.float32 and w_t.dtype == jnp.float32 and w_t.ndim == 2
-          and x.ndim >= 1 and x.shape[-1] == w_t.shape[1] and 1 <= rows <= MAX_ROWS)
+          and x.ndim >= 1 and x.shape[-1] == w_t.shape[1] and _kernel_takes(rows))
 
 
 # Rows that need no product: inside `active_rows(active)` the kernel computes only the
@@ -373,15 +422,17 @@ def applies_int8(x, w_q, scale) -> bool:
   out, inputs = int8_shape(w_q) if w_q.ndim in (2, 4) else (None, None)
   return (x.dtype == jnp.float32 and w_q.dtype == jnp.int8 and (w_q.ndim == 2 or tiled)
           and scale.dtype == jnp.float32 and scale.shape == (out,)
-          and x.ndim >= 1 and x.shape[-1] == inputs and 1 <= rows <= MAX_ROWS)
+          and x.ndim >= 1 and x.shape[-1] == inputs and _kernel_takes(rows))
 
 
 def few_row_matmul_int8(x, w_q, scale):
   """(x [..., in] @ w_q [out, in]^T) * scale [out] through the kernel (applies_int8)."""
-  return jax.ffi.ffi_call(INT8_TARGET_NAME,
-                          jax.ShapeDtypeStruct(x.shape[:-1] + (int8_shape(w_q)[0],),
-                                               jnp.float32),
-                          vmap_method='sequential')(x, w_q, scale, row_flags(x))
+  def compute(rows, flags):
+    return (jax.ffi.ffi_call(INT8_TARGET_NAME,
+                             jax.ShapeDtypeStruct(rows.shape[:-1] + (int8_shape(w_q)[0],),
+                                                  jnp.float32),
+                             vmap_method='sequential')(rows, w_q, scale, flags),)
+  return _in_calls(compute, x, row_flags(x))[0]
 
 
 def matmul_int8(x, w_q, scale, cpu_matmul: str = KERNEL):
@@ -443,9 +494,12 @@ def matmuls_transposed(x, w_ts, cpu_matmul: str = KERNEL):
 def few_row_matmuls_int8(x, pairs):
   """(few_row_matmul_int8(x, w_q, scale) for (w_q, scale) in pairs) in one kernel call."""
   operands = [operand for pair in pairs for operand in pair]
-  return tuple(jax.ffi.ffi_call(MANY_INT8_TARGET_NAMES[len(pairs)],
-                                _many_shapes(x, [int8_shape(w_q)[0] for w_q, _ in pairs]),
-                                vmap_method='sequential')(x, *operands, row_flags(x)))
+
+  def compute(rows, flags):
+    return tuple(jax.ffi.ffi_call(MANY_INT8_TARGET_NAMES[len(pairs)],
+                                  _many_shapes(rows, [int8_shape(w_q)[0] for w_q, _ in pairs]),
+                                  vmap_method='sequential')(rows, *operands, flags))
+  return _in_calls(compute, x, row_flags(x))
 
 
 def matmuls_int8(x, pairs, cpu_matmul: str = KERNEL):

@@ -1,5 +1,5 @@
 // jaxspec's CPU kernels for products of a few rows with a weight matrix, as XLA FFI
-// handlers: y[n, o] = sum_i x[n, i] * w[o, i] for x [rows, in] (rows <= kMaxRows) and
+// handlers: y[n, o] = sum_i x[n, i] * w[o, i] for x [rows, in] (any rows) and
 // w [out, in], float32, row-major (JaxspecFewRowMatmul); and its int8 form for int8
 // drafts (JaxspecFewRowMatmulInt8, below). A decode step multiplies 1..9 positions by each
 // weight matrix; XLA:CPU runs 2..9 rows several times slower than one row (its
@@ -44,7 +44,10 @@ using jaxspec_kernels::Vec;
 using jaxspec_kernels::Zero;
 
 constexpr int64_t kLanes = 8;  // AVX2 lanes of the int8 path's activation quantization
-constexpr int64_t kMaxRows = 32;  // jaxspec.model.cpu.matmul.MAX_ROWS
+// Rows of one float32 register-block sweep (more run as groups of at most this many, each
+// its own product), and the most rows of an int8 call (jaxspec.model.cpu.matmul.
+// KERNEL_MAX_ROWS).
+constexpr int64_t kMaxRows = 128;
 constexpr int64_t kOutputsPerTask = 64;  // outputs per thread at least (fewer: fewer threads)
 constexpr int64_t kFloatsPerLine = 16;  // 64-byte cache lines
 constexpr int64_t kLineBytes = 64;
@@ -215,7 +218,7 @@ void SplitOutputs(ffi::ThreadPool& pool, int64_t out, const OutputRange& outputs
 }
 
 // The rows of x [..., in] (x_count elements) against w [out, in]; an error unless x's
-// last dimension is w's `in` and x holds at most kMaxRows rows.
+// last dimension is w's `in`. Any number of rows (ComputeMatmuls groups them).
 ffi::Error RowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
                   ffi::Span<const int64_t> w_dims, int64_t* rows) {
   if (w_dims.size() != 2) return ffi::Error::InvalidArgument("w must be [out, in]");
@@ -223,7 +226,6 @@ ffi::Error RowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
   if (x_dims.size() < 1 || x_dims.back() != in)
     return ffi::Error::InvalidArgument("x [..., in] does not match w [out, in]");
   *rows = in == 0 ? 0 : x_count / in;
-  if (*rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than 32 rows (kMaxRows)");
   return ffi::Error::Success();
 }
 
@@ -581,12 +583,13 @@ ffi::Error ManyRowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
 // step's positions) a finished row then costs nothing.
 struct ActiveRows {
   int64_t count = 0;
-  int64_t index[kMaxRows] = {};  // computed row i is row index[i] of x and y
+  std::vector<int64_t> index;  // computed row i is row index[i] of x and y
 };
 
 // Whether every row is active; else the active ones in `active_rows`.
 bool AllActive(const int32_t* active, int64_t rows, ActiveRows* active_rows) {
   active_rows->count = 0;
+  active_rows->index.resize(rows);
   for (int64_t n = 0; n < rows; ++n)
     if (active[n] != 0) active_rows->index[active_rows->count++] = n;
   return active_rows->count == rows;
@@ -616,14 +619,22 @@ void OnActiveRows(const ActiveRows& active_rows, const float* xp, int64_t rows, 
   }
 }
 
+// More than kMaxRows rows run as groups of nearly equal size, one product each over a
+// thread's outputs (its weights then in cache for the next group): a row's result never
+// depends on the other rows, so every row is its one-row product's bit for bit whatever
+// the rows (a decode step of any width; jaxspec.model.cpu.matmul.decode_step).
 template <int N>
 void ComputeMatmuls(ffi::ThreadPool& pool, const float* xp, int64_t rows, int64_t in,
                     const float* const (&w)[N], const int64_t (&out)[N], float* const (&y)[N]) {
   int64_t total = 0;
   for (int k = 0; k < N; ++k) total += out[k];
+  const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t per_group = (rows + groups - 1) / groups;
   SplitOutputs(pool, total, [&](int64_t begin, int64_t end) {
     OverMatrices<N>(out, begin, end, [&](int k, int64_t first, int64_t last) {
-      Outputs(xp, w[k], y[k], rows, in, out[k], first, last);
+      for (int64_t n = 0; n < rows; n += per_group)
+        Outputs(xp + n * in, w[k], y[k] + n * out[k], std::min(per_group, rows - n), in,
+                out[k], first, last);
     });
   });
 }
@@ -714,7 +725,7 @@ ffi::Error Int8Shapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S8>
   if (x_dims.size() < 1 || x_dims.back() != *in)
     return ffi::Error::InvalidArgument("x [..., in] does not match w's in");
   *rows = *in == 0 ? 0 : x.element_count() / *in;
-  if (*rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than 32 rows (kMaxRows)");
+  if (*rows > kMaxRows) return ffi::Error::InvalidArgument("x has more than 128 rows (kMaxRows)");
   return ffi::Error::Success();
 }
 
