@@ -46,7 +46,7 @@ using jaxspec_kernels::Zero;
 constexpr int64_t kLanes = 8;  // AVX2 lanes of the int8 path's activation quantization
 // Rows of one float32 register-block sweep (more run as groups of at most this many, each
 // its own product), and the most rows of an int8 call (jaxspec.model.cpu.matmul.
-// KERNEL_MAX_ROWS).
+// INT8_CALL_ROWS).
 constexpr int64_t kMaxRows = 128;
 constexpr int64_t kOutputsPerTask = 64;  // outputs per thread at least (fewer: fewer threads)
 constexpr int64_t kFloatsPerLine = 16;  // 64-byte cache lines
