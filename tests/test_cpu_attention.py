@@ -88,8 +88,10 @@ def test_where_the_kernel_applies():
   assert not cpu_attention.applies(query.astype(jnp.bfloat16), keys, values, bias)
   assert not cpu_attention.applies(query, keys[..., :8], values, bias)  # slots differ
   many = jnp.zeros((1, cpu_attention.MAX_QUERIES + 1, 4, 8), jnp.float32)
-  assert not cpu_attention.applies(many, keys, values,
-                                   jnp.zeros((1, 4, cpu_attention.MAX_QUERIES + 1, 16)))
+  many_bias = jnp.zeros((1, 4, cpu_attention.MAX_QUERIES + 1, 16))
+  assert not cpu_attention.applies(many, keys, values, many_bias)
+  with cpu_matmul.decode_step():  # a decoder step's attention, whatever its queries
+    assert cpu_attention.applies(many, keys, values, many_bias)
 
   def traced(setting, q=query):
     return str(jax.make_jaxpr(lambda: cpu_attention.cached_attention(

@@ -123,20 +123,23 @@ def test_a_decoder_step_takes_any_rows_in_calls_of_the_kernels_limit():
 
 
 @needs_kernel
-def test_a_wide_decoder_step_computes_each_row_as_one_position_steps_do():
-  """A verify step over more rows x positions than MAX_ROWS (here more than one group
-  of the kernel's sweep too) gives every position the logits of one-position steps, bit
-  for bit: what keeps speculative decoding exact at every batch size and gamma."""
+@pytest.mark.parametrize('batch,width', [
+    (24, 7),  # 168 rows: more than MAX_ROWS, and more than one group of the kernel's sweep
+    (1, 40),  # more queries a row than MAX_QUERIES for the attention
+])
+def test_a_wide_decoder_step_computes_each_row_as_one_position_steps_do(batch, width):
+  """A verify step over more rows x positions than the kernels take outside a decoder
+  step gives every position the logits of one-position steps, bit for bit: what keeps
+  speculative decoding exact at every batch size and gamma."""
   config = get_config('test_tiny_1_1')
   params = kernel_layout.transposed_kernels(
       {'params': init_params(config, jax.random.PRNGKey(0))['params']})
-  batch, width = 24, 7  # 168 rows
   rng = np.random.default_rng(6)
   encoder_tokens = jnp.asarray(rng.integers(2, config.vocab_size, (batch, 6)), jnp.int32)
   tokens = jnp.asarray(rng.integers(2, config.vocab_size, (batch, width)), jnp.int32)
   model = T5(config)
   encoded = model.apply(params, encoder_tokens, method=T5.encode)
-  cache = model.apply(params, encoded, encoder_tokens, 12, method=T5.init_cache)
+  cache = model.apply(params, encoded, encoder_tokens, width + 5, method=T5.init_cache)
   decode = jax.jit(lambda tokens, cache: model.apply(params, tokens, cache, method=T5.decode))
   wide, _ = decode(tokens, cache)
   steps = []

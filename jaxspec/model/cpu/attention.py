@@ -40,7 +40,10 @@ from jaxspec.model.cpu import matmul as cpu_matmul
 
 NEG_INF = -1e10  # The additive bias of a masked slot, as T5X's.
 
-MAX_QUERIES = cpu_matmul.MAX_ROWS  # Queries per step routed to the kernel (decode steps).
+# Queries a batch row routed to the kernel outside a decoder step; within one
+# (cpu_matmul.decode_step) any number, so a verify step of any width attends as the
+# one-position steps do.
+MAX_QUERIES = cpu_matmul.MAX_ROWS
 
 
 def xla_cached_attention(query, keys, values, bias):
@@ -61,7 +64,7 @@ def applies(query, keys, values, bias) -> bool:
   batch, queries, heads, head_dim = query.shape
   slots = keys.shape[3]
   return (all(x.dtype == jnp.float32 for x in (query, keys, values, bias))
-          and 1 <= queries <= MAX_QUERIES
+          and cpu_matmul.kernel_takes(queries)
           and keys.shape == (batch, heads, head_dim, slots) and values.shape == keys.shape
           and bias.shape in ((batch, heads, queries, slots), (batch, 1, queries, slots)))
 

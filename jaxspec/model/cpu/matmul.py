@@ -254,8 +254,9 @@ def decode_step():
     _DECODE_STEP.reset(token)
 
 
-def _kernel_takes(rows: int) -> bool:
-  """Whether a product of `rows` rows goes through the kernel (decode_step)."""
+def kernel_takes(rows: int) -> bool:
+  """Whether a product of `rows` rows (or an attention of `rows` queries a batch row,
+  jaxspec.model.cpu.attention) goes through the kernels (decode_step)."""
   return rows >= 1 and (rows <= MAX_ROWS or _DECODE_STEP.get())
 
 
@@ -281,7 +282,7 @@ def applies(x, w_t) -> bool:
   rows: decode_step)."""
   rows = int(np.prod(x.shape[:-1], dtype=np.int64))
   return (x.dtype == jnp.float32 and w_t.dtype == jnp.float32 and w_t.ndim == 2
-          and x.ndim >= 1 and x.shape[-1] == w_t.shape[1] and _kernel_takes(rows))
+          and x.ndim >= 1 and x.shape[-1] == w_t.shape[1] and kernel_takes(rows))
 
 
 # Rows that need no product: inside `active_rows(active)` the kernel computes only the
@@ -422,7 +423,7 @@ def applies_int8(x, w_q, scale) -> bool:
   out, inputs = int8_shape(w_q) if w_q.ndim in (2, 4) else (None, None)
   return (x.dtype == jnp.float32 and w_q.dtype == jnp.int8 and (w_q.ndim == 2 or tiled)
           and scale.dtype == jnp.float32 and scale.shape == (out,)
-          and x.ndim >= 1 and x.shape[-1] == inputs and _kernel_takes(rows))
+          and x.ndim >= 1 and x.shape[-1] == inputs and kernel_takes(rows))
 
 
 def few_row_matmul_int8(x, w_q, scale):
