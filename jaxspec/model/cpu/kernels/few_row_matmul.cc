@@ -581,6 +581,8 @@ ffi::Error ManyRowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
 // exactly as in a product of all rows (a row's result depends on its own values alone),
 // the others' zeros. Once the products are compute-bound (several rows, each over the
 // step's positions) a finished row then costs nothing.
+// Each handler keeps one per thread (thread_local, as OnActiveRows' buffers), so a call
+// allocates nothing once its thread has seen as many rows.
 struct ActiveRows {
   int64_t count = 0;
   std::vector<int64_t> index;  // computed row i is row index[i] of x and y
@@ -661,7 +663,7 @@ ffi::Error ManyMatmuls(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
     if (in == 0) std::fill(y_ptrs[k], y_ptrs[k] + rows * out[k], 0.0f);
   }
   if (in == 0) return ffi::Error::Success();
-  ActiveRows active_rows;
+  thread_local ActiveRows active_rows;
   if (AllActive(active.typed_data(), rows, &active_rows)) {
     ComputeMatmuls<N>(pool, x.typed_data(), rows, in, w_ptrs, out, y_ptrs);
   } else {
@@ -753,7 +755,7 @@ ffi::Error ManyMatmulsInt8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x
     if (in == 0) std::fill(y_ptrs[k], y_ptrs[k] + rows * out[k], 0.0f);
   }
   if (in == 0) return ffi::Error::Success();
-  ActiveRows active_rows;
+  thread_local ActiveRows active_rows;
   if (AllActive(active.typed_data(), rows, &active_rows)) {
     ComputeMatmulsInt8<N>(pool, x.typed_data(), rows, in, w_ptrs, scale_ptrs, out, y_ptrs,
                           tiled);
