@@ -19,8 +19,8 @@ library of jaxspec.model.cpu.matmul) computes an attention in one call over the 
       of jaxspec.model.cache.write_all held copies of both in the compiled loop; else
       XLA: write_all, then xla_cached_attention
 
-Where it applies: float32 operands, at most MAX_QUERIES queries, the CPU backend with
-the kernel built, and `T5Config.cpu_matmul == 'kernel'` (the setting that routes a
+Where it applies: float32 operands, at most MAX_QUERIES queries a batch row (any number
+within a decoder step, cpu_matmul.decode_step), the CPU backend with the kernel built, and `T5Config.cpu_matmul == 'kernel'` (the setting that routes a
 decode step's products through the few-row kernel routes its attention here too).
 
 Exactness: a query's output depends on its own logits only, summed lane by lane in a
