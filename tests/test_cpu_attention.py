@@ -18,7 +18,14 @@ from jaxspec.model.layers import NEG_INF
 needs_kernel = pytest.mark.skipif(not cpu_matmul.kernel_available(),
                                 reason='the kernel needs x86-64 with AVX2 + FMA and a C++ compiler')
 
-_kernel = jax.jit(cpu_attention.kernel_attention)
+
+def _all_queries(query, keys, values, bias, num_keys):
+  """The kernel computing every query (as outside cpu_matmul.active_rows)."""
+  return cpu_attention.kernel_attention(query, keys, values, bias, num_keys,
+                                        cpu_attention.query_flags(query))
+
+
+_kernel = jax.jit(_all_queries)
 
 
 def _operands(batch, queries, heads, head_dim, slots, ends, bias_heads=None, seed=0):
@@ -140,7 +147,8 @@ def test_attend_and_write_equals_the_write_then_the_attention(starts):
   at their own starts), and its attention is the attention kernel's over them."""
   operands = _write_operands(starts)
   starts = jnp.asarray(starts, jnp.int32)
-  out, keys, values = jax.jit(cpu_attention.kernel_attend_and_write)(*operands, starts)
+  out, keys, values = jax.jit(cpu_attention.kernel_attend_and_write)(
+      *operands, starts, cpu_attention.query_flags(operands[0]))
   xla_out, xla_keys, xla_values = cpu_attention.xla_attend_and_write(*operands, starts)
   np.testing.assert_array_equal(np.asarray(keys), np.asarray(xla_keys))
   np.testing.assert_array_equal(np.asarray(values), np.asarray(xla_values))
@@ -184,3 +192,54 @@ def test_attend_and_write_updates_the_cache_in_place_in_a_loop_and_differentiate
       query, keys, values)
   for got, expected in zip(kernel_grads, xla_grads):
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize('active', [
+    [True, False, True],  # per batch row: row 1 has ended
+    [[True, True, False, False], [False] * 4, [True, False, False, False]],  # per position
+])
+def test_active_rows_skip_the_queries_left_out_and_leave_the_others_bit_identical(active):
+  """Within cpu_matmul.active_rows the queries of rows (or positions) left out get zeros,
+  as the products' rows there; every other query is the all-queries kernel's bit for
+  bit, and attend_and_write writes the kept queries' keys/values only (the others'
+  slots keep what they held)."""
+  active = jnp.asarray(active)
+  starts = [5, 11, 2]
+  query, new_keys, new_values, keys, values, bias = _write_operands(starts, queries=4,
+                                                                    batch=3)
+  starts = jnp.asarray(starts, jnp.int32)
+  shown = np.broadcast_to(np.asarray(active).reshape(3, -1), (3, 4))[:, :, None, None]
+  num_keys = starts + query.shape[1]
+
+  def skipping(fn):
+    def run(*operands):
+      with cpu_matmul.active_rows(active):
+        return fn(*operands)
+    return jax.jit(run)
+
+  got = skipping(cpu_attention.cached_attention)(query, keys, values, bias, num_keys)
+  every = _kernel(query, keys, values, bias, num_keys)
+  np.testing.assert_array_equal(np.asarray(got), np.where(shown, np.asarray(every), 0.0))
+
+  out, written_keys, written_values = skipping(cpu_attention.attend_and_write)(
+      query, new_keys, new_values, keys, values, bias, starts)
+  every_out, every_keys, every_values = jax.jit(cpu_attention.attend_and_write)(
+      query, new_keys, new_values, keys, values, bias, starts)
+  np.testing.assert_array_equal(np.asarray(out), np.where(shown, np.asarray(every_out), 0.0))
+  slot_shown = np.zeros((3, 1, 1, keys.shape[3]), bool)  # [b, h, d, L]: slots kept
+  for b in range(3):
+    for i in range(4):
+      slot_shown[b, 0, 0, int(starts[b]) + i] = shown[b, i, 0, 0]
+  for written, every_written, old in ((written_keys, every_keys, keys),
+                                      (written_values, every_values, values)):
+    np.testing.assert_array_equal(
+        np.asarray(written), np.where(slot_shown, np.asarray(every_written), np.asarray(old)))
+
+
+@needs_kernel
+def test_active_flags_of_the_wrong_size_are_refused():
+  query, keys, values, bias = map(jnp.asarray, _operands(2, 3, 4, 8, 16, [3, 5]))
+  with pytest.raises(Exception, match='active must hold one flag per query'):
+    jax.block_until_ready(cpu_attention.kernel_attention(
+        query, keys, values, bias, jnp.asarray([6, 8], jnp.int32), jnp.ones((2,), jnp.int32)))

@@ -255,7 +255,8 @@ q = jnp.asarray(rng.standard_normal((1, 9, 4, 20)).astype(np.float32))
 k, v = (jnp.asarray(rng.standard_normal((1, 4, 20, 40)).astype(np.float32)) for _ in 'kv')
 seen = np.arange(40)[None, :] <= 11 + np.arange(9)[:, None]
 b = jnp.asarray(np.where(seen, 0.0, -1e10).astype(np.float32))[None, None]
-attend = jax.jit(cpu_attention.kernel_attention)
+attend = jax.jit(lambda q, k, v, b, n: cpu_attention.kernel_attention(
+    q, k, v, b, n, cpu_attention.query_flags(q)))
 step = np.asarray(attend(q, k, v, b, jnp.asarray([20], jnp.int32)))
 for i in range(9):
   np.testing.assert_array_equal(np.asarray(attend(

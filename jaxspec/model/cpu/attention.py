@@ -19,6 +19,14 @@ library of jaxspec.model.cpu.matmul) computes an attention in one call over the 
       of jaxspec.model.cache.write_all held copies of both in the compiled loop; else
       XLA: write_all, then xla_cached_attention
 
+Within cpu_matmul.active_rows (the decoders' rows that ended, the verify step's positions
+past a row's proposal) the kernel skips the queries left out, as the products skip their
+rows: their outputs are zeros, their keys/values (from products that skipped them) are
+not written, and the other queries' (row, head) pairs are shared among the threads, so a
+batch whose rows ended attends at the cost of the rows still decoding. A query left out
+must never be attended by one kept (the decoders leave out whole rows, or a row's
+positions past its last kept one).
+
 Where it applies: float32 operands, at most MAX_QUERIES queries a batch row (any number
 within a decoder step, cpu_matmul.decode_step), the CPU backend with the kernel built, and `T5Config.cpu_matmul == 'kernel'` (the setting that routes a
 decode step's products through the few-row kernel routes its attention here too).
@@ -69,23 +77,31 @@ def applies(query, keys, values, bias) -> bool:
           and bias.shape in ((batch, heads, queries, slots), (batch, 1, queries, slots)))
 
 
-def _ffi_attention(query, keys, values, bias, num_keys):
+def query_flags(query):
+  """int32 [b * t]: which queries of query [b, t, h, d] the kernel computes: those of the
+  rows (or positions) that cpu_matmul.active_rows leaves in, all of them outside it."""
+  return cpu_matmul.flags_of(query.shape[:2])
+
+
+def _ffi_attention(query, keys, values, bias, num_keys, active):
   return jax.ffi.ffi_call(cpu_matmul.ATTENTION_TARGET_NAME,
                           jax.ShapeDtypeStruct(query.shape, jnp.float32),
-                          vmap_method='sequential')(query, keys, values, bias, num_keys)
+                          vmap_method='sequential')(query, keys, values, bias, num_keys,
+                                                    active)
 
 
 @jax.custom_jvp
-def kernel_attention(query, keys, values, bias, num_keys):
-  """The attention through the kernel (applies(...)); num_keys [b] int32 slots per row."""
-  return _ffi_attention(query, keys, values, bias, num_keys)
+def kernel_attention(query, keys, values, bias, num_keys, active):
+  """The attention through the kernel (applies(...)); num_keys [b] int32 slots per row,
+  active [b * t] int32 (query_flags): the queries computed, the others zeros."""
+  return _ffi_attention(query, keys, values, bias, num_keys, active)
 
 
 @kernel_attention.defjvp
 def _kernel_attention_jvp(primals, tangents):
-  query, keys, values, bias, num_keys = primals
+  query, keys, values, bias, num_keys, active = primals
   _, tangent_out = jax.jvp(xla_cached_attention, (query, keys, values, bias), tangents[:4])
-  return kernel_attention(query, keys, values, bias, num_keys), tangent_out
+  return kernel_attention(query, keys, values, bias, num_keys, active), tangent_out
 
 
 def cached_attention(query, keys, values, bias, num_keys=None,
@@ -95,12 +111,14 @@ def cached_attention(query, keys, values, bias, num_keys=None,
   num_keys [b] int32: the slots each row's queries may see are among its first
   num_keys[b] (None: all s); every slot past them must be masked in `bias` for each
   query. The kernel reads only those slots; XLA reads all of them (same result up to
-  float32 rounding).
+  float32 rounding). Within cpu_matmul.active_rows the kernel skips the queries of rows
+  (or positions) left out, whose outputs are zeros, as the products' rows there.
   """
   if applies(query, keys, values, bias) and cpu_matmul.use_kernel(cpu_matmul_setting):
     if num_keys is None:
       num_keys = jnp.full((query.shape[0],), keys.shape[3], jnp.int32)
-    return kernel_attention(query, keys, values, bias, jnp.asarray(num_keys, jnp.int32))
+    return kernel_attention(query, keys, values, bias, jnp.asarray(num_keys, jnp.int32),
+                            query_flags(query))
   return xla_cached_attention(query, keys, values, bias)
 
 
@@ -168,15 +186,16 @@ def applies_write(query, new_keys, new_values, keys, values, bias) -> bool:
 
 
 @jax.custom_jvp
-def kernel_attend_and_write(query, new_keys, new_values, keys, values, bias, starts):
-  """attend_and_write through the kernel (applies_write(...)); starts [b] int32."""
+def kernel_attend_and_write(query, new_keys, new_values, keys, values, bias, starts, active):
+  """attend_and_write through the kernel (applies_write(...)); starts [b] int32, active
+  [b * t] int32 (query_flags): the queries that write their keys/values and attend."""
   return jax.ffi.ffi_call(
       cpu_matmul.ATTENTION_WRITE_TARGET_NAME,
       (jax.ShapeDtypeStruct(query.shape, jnp.float32),
        jax.ShapeDtypeStruct(keys.shape, jnp.float32),
        jax.ShapeDtypeStruct(values.shape, jnp.float32)),
       input_output_aliases={3: 1, 4: 2}, vmap_method='sequential')(
-          query, new_keys, new_values, keys, values, bias, starts)
+          query, new_keys, new_values, keys, values, bias, starts, active)
 
 
 @kernel_attend_and_write.defjvp
@@ -200,6 +219,7 @@ def attend_and_write(query, new_keys, new_values, keys, values, bias, starts,
   starts = jnp.asarray(starts, jnp.int32)
   if (applies_write(query, new_keys, new_values, keys, values, bias)
       and cpu_matmul.use_kernel(cpu_matmul_setting)):
-    return kernel_attend_and_write(query, new_keys, new_values, keys, values, bias, starts)
+    return kernel_attend_and_write(query, new_keys, new_values, keys, values, bias, starts,
+                                   query_flags(query))
   return xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts,
                               keys_in_slots)

@@ -21,7 +21,8 @@ XLA's.
                                      handler where it applies, else XLA
   matmuls_int8(x, pairs, kernel)     matmul_int8 against 2 or 3 (w_q, scale) pairs in ONE
                                      call (the rows quantized once)
-  active_rows(active)                within it, products skip the rows of finished batch rows
+  active_rows(active)                within it, products and the attention kernels skip
+                                     the rows of finished batch rows
   decode_step()                      within it (a decoder step), products of any rows
                                      go through the kernel
   kernel_available()                 builds (once) and registers the kernel; False if not
@@ -297,8 +298,10 @@ _ACTIVE_ROWS = contextvars.ContextVar('jaxspec_active_rows', default=None)
 @contextlib.contextmanager
 def active_rows(active):
   """Within the block, kernel products skip the rows `active` ([b] or [b, t] bool) leaves
-  out; their outputs are zeros. Products whose rows do not lead with those axes compute
-  every row."""
+  out, and the attention kernels those queries, which write no keys/values to the cache
+  (jaxspec.model.cpu.attention); their outputs are zeros. Products whose rows do not lead
+  with those axes compute every row. What is left out must be unused: rows that ended, or
+  a row's positions after its last one kept."""
   token = _ACTIVE_ROWS.set(active)
   try:
     yield
@@ -308,7 +311,14 @@ def active_rows(active):
 
 def row_flags(x):
   """int32 [rows]: which rows of x [..., in] the kernel computes (active_rows)."""
-  rows_shape = x.shape[:-1]
+  return flags_of(x.shape[:-1])
+
+
+def flags_of(rows_shape):
+  """int32 [prod(rows_shape)]: which rows of that shape [b, t, ...] the kernels compute
+  under active_rows (all of them outside it, or where the active flags' shape does not
+  lead it)."""
+  rows_shape = tuple(rows_shape)
   rows = int(np.prod(rows_shape, dtype=np.int64))
   active = _ACTIVE_ROWS.get()
   if active is None or tuple(active.shape) != rows_shape[:active.ndim]:

@@ -155,7 +155,7 @@ void AttendOne(const float* q, const float* keys, const float* values, const flo
 
 ffi::Error CheckShapes(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k,
                        ffi::Span<const int64_t> v, ffi::Span<const int64_t> bias,
-                       int64_t num_keys_count, Shapes* shapes) {
+                       int64_t num_keys_count, int64_t active_count, Shapes* shapes) {
   if (q.size() != 4 || k.size() != 4 || v.size() != 4 || bias.size() != 4)
     return ffi::Error::InvalidArgument(
         "query [b, t, h, d], keys/values [b, h, d, L] and bias [b, h|1, t, L] are 4-D");
@@ -168,17 +168,21 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k,
       bias[3] != k[3])
     return ffi::Error::InvalidArgument("bias must be [b, h|1, t, L]");
   if (num_keys_count != q[0]) return ffi::Error::InvalidArgument("num_keys must be [b]");
+  if (active_count != q[0] * q[1])
+    return ffi::Error::InvalidArgument("active must hold one flag per query [b, t]");
   return ffi::Error::Success();
 }
 
-// The queries of (row, head) pairs [begin, end) (pair = row * heads + head).
+// The active queries of the (row, head) pairs pairs[begin..end) (pair = row * heads +
+// head); a query whose flag in `active` [b, t] is 0 gets zeros and reads nothing.
 template <typename NumKeys>
 void AttendPairs(const Shapes& s, const float* qp, const float* kp, const float* vp,
-                 const float* bp, const NumKeys& num_keys, int64_t begin, int64_t end,
-                 float* op) {
+                 const float* bp, const NumKeys& num_keys, const int32_t* active,
+                 const int64_t* pairs, int64_t begin, int64_t end, float* op) {
   thread_local std::vector<float> weights;
   weights.resize(((s.slots + kVecLanes - 1) / kVecLanes) * kVecLanes);
-  for (int64_t pair = begin; pair < end; ++pair) {
+  for (int64_t p = begin; p < end; ++p) {
+    const int64_t pair = pairs[p];
     const int64_t b = pair / s.heads, h = pair % s.heads;
     const int64_t n = std::clamp<int64_t>(num_keys(b), 0, s.slots);
     const float* head_keys = kp + (b * s.heads + h) * s.head_dim * s.slots;
@@ -187,7 +191,7 @@ void AttendPairs(const Shapes& s, const float* qp, const float* kp, const float*
     for (int64_t i = 0; i < s.queries; ++i) {
       const int64_t row = (b * s.queries + i) * s.heads + h;
       float* result = op + row * s.head_dim;
-      if (n == 0) {
+      if (n == 0 || active[b * s.queries + i] == 0) {
         std::fill(result, result + s.head_dim, 0.0f);
         continue;
       }
@@ -198,48 +202,70 @@ void AttendPairs(const Shapes& s, const float* qp, const float* kp, const float*
   }
 }
 
-// The attention of every query over keys/values kp, vp [b, h, d, L], row b reading its
-// first min(L, max(0, num_keys(b))) slots. The (row, head) pairs are split in contiguous
-// runs among the calling thread and the kernels' helpers (spin_pool.h): a pair's queries
-// are computed by one thread, in the same order whatever the split.
+// The attention of every active query over keys/values kp, vp [b, h, d, L], row b reading
+// its first min(L, max(0, num_keys(b))) slots; the other queries' outputs are zeros. The
+// (row, head) pairs of rows with an active query are split in contiguous runs among the
+// calling thread and the kernels' helpers (spin_pool.h), so the rows that ended in a
+// batch neither cost time nor leave a thread idle; a pair's queries are computed by one
+// thread, in the same order whatever the split. The rows of zeros go to the caller.
 template <typename NumKeys>
 void AttendAll(const xla::ffi::ThreadPool& pool, const Shapes& s, const float* qp,
                const float* kp, const float* vp, const float* bp, const NumKeys& num_keys,
-               float* op) {
-  const int64_t pairs = s.batch * s.heads;
+               const int32_t* active, float* op) {
+  thread_local std::vector<int64_t> pairs;  // The pairs of rows with an active query.
+  pairs.clear();
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int32_t* flags = active + b * s.queries;
+    if (std::any_of(flags, flags + s.queries, [](int32_t flag) { return flag != 0; })) {
+      for (int64_t h = 0; h < s.heads; ++h) pairs.push_back(b * s.heads + h);
+    } else {
+      float* rows = op + b * s.queries * s.heads * s.head_dim;
+      std::fill(rows, rows + s.queries * s.heads * s.head_dim, 0.0f);
+    }
+  }
+  const int64_t count = static_cast<int64_t>(pairs.size());
+  if (count == 0) return;
   jaxspec_kernels::SpinPool& helpers = jaxspec_kernels::Helpers(pool);
   const int64_t parts =
-      std::max<int64_t>(1, std::min<int64_t>(helpers.num_helpers() + 1, pairs));
-  const int64_t per_part = (pairs + parts - 1) / parts;
+      std::max<int64_t>(1, std::min<int64_t>(helpers.num_helpers() + 1, count));
+  const int64_t per_part = (count + parts - 1) / parts;
+  const int64_t* pair_list = pairs.data();  // This thread's list, read by the helpers.
   helpers.Run(parts, [&](int64_t p) {
-    AttendPairs(s, qp, kp, vp, bp, num_keys, p * per_part,
-                std::min(pairs, (p + 1) * per_part), op);
+    AttendPairs(s, qp, kp, vp, bp, num_keys, active, pair_list, p * per_part,
+                std::min(count, (p + 1) * per_part), op);
   });
 }
 
 ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
                            ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
                            ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> num_keys,
-                           ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> out) {
   Shapes s;
   if (ffi::Error error = CheckShapes(query.dimensions(), keys.dimensions(), values.dimensions(),
-                                     bias.dimensions(), num_keys.element_count(), &s);
+                                     bias.dimensions(), num_keys.element_count(),
+                                     active.element_count(), &s);
       error.failure())
     return error;
   const int32_t* np = num_keys.typed_data();
   AttendAll(pool, s, query.typed_data(), keys.typed_data(), values.typed_data(),
             bias.typed_data(),
-            [np](int64_t b) { return static_cast<int64_t>(np[b]); }, out->typed_data());
+            [np](int64_t b) { return static_cast<int64_t>(np[b]); }, active.typed_data(),
+            out->typed_data());
   return ffi::Error::Success();
 }
 
 // new [b, t, h, d] into buffer [b, h, d, L] at slots starts[b] + 0..t-1; slots outside
-// the buffer are dropped (jaxspec.model.cache.write's semantics).
-void WriteSlots(const Shapes& s, const float* new_rows, const int32_t* starts, float* buffer) {
+// the buffer are dropped (jaxspec.model.cache.write's semantics), and so are the queries
+// `active` [b, t] leaves out: their keys/values come from products that skipped them, and
+// their slots are never attended before a later step writes them (a row that ended, a
+// position past a row's proposal), while each write to a cold cache line costs as much
+// as the attention of a row.
+void WriteSlots(const Shapes& s, const float* new_rows, const int32_t* starts,
+                const int32_t* active, float* buffer) {
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t i = 0; i < s.queries; ++i) {
       const int64_t slot = static_cast<int64_t>(starts[b]) + i;
-      if (slot < 0 || slot >= s.slots) continue;
+      if (slot < 0 || slot >= s.slots || active[b * s.queries + i] == 0) continue;
       for (int64_t h = 0; h < s.heads; ++h) {
         const float* source = new_rows + ((b * s.queries + i) * s.heads + h) * s.head_dim;
         float* column = buffer + (b * s.heads + h) * s.head_dim * s.slots + slot;
@@ -251,17 +277,20 @@ void WriteSlots(const Shapes& s, const float* new_rows, const int32_t* starts, f
 // A decode step's self-attention with its cache write (JaxspecCachedAttentionWrite): the
 // step's new keys/values [b, t, h, d] go into the buffers at slots starts[b] + 0..t-1, in
 // place (the results alias the buffers; copied first only where XLA gave other memory),
-// then every query attends over the first starts[b] + t slots.
+// then every query attends over the first starts[b] + t slots; the queries `active`
+// leaves out neither write nor attend.
 ffi::Error CachedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
                                 ffi::Buffer<ffi::F32> new_keys, ffi::Buffer<ffi::F32> new_values,
                                 ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
                                 ffi::Buffer<ffi::F32> bias,
-                                ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
+                                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> active,
+                                ffi::ResultBuffer<ffi::F32> out,
                                 ffi::ResultBuffer<ffi::F32> keys_out,
                                 ffi::ResultBuffer<ffi::F32> values_out) {
   Shapes s;
   if (ffi::Error error = CheckShapes(query.dimensions(), keys.dimensions(), values.dimensions(),
-                                     bias.dimensions(), starts.element_count(), &s);
+                                     bias.dimensions(), starts.element_count(),
+                                     active.element_count(), &s);
       error.failure())
     return error;
   if (new_keys.element_count() != query.element_count() ||
@@ -273,11 +302,12 @@ ffi::Error CachedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> quer
   if (kp != keys.typed_data()) std::memcpy(kp, keys.typed_data(), buffer_bytes);
   if (vp != values.typed_data()) std::memcpy(vp, values.typed_data(), buffer_bytes);
   const int32_t* sp = starts.typed_data();
-  WriteSlots(s, new_keys.typed_data(), sp, kp);
-  WriteSlots(s, new_values.typed_data(), sp, vp);
+  const int32_t* ap = active.typed_data();
+  WriteSlots(s, new_keys.typed_data(), sp, ap, kp);
+  WriteSlots(s, new_values.typed_data(), sp, ap, vp);
   AttendAll(pool, s, query.typed_data(), kp, vp, bias.typed_data(),
             [sp, &s](int64_t b) { return static_cast<int64_t>(sp[b]) + s.queries; },
-            out->typed_data());
+            ap, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -291,6 +321,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecCachedAttention, CachedAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecCachedAttentionWrite, CachedAttentionWrite,
@@ -302,6 +333,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecCachedAttentionWrite, CachedAttentionWrite,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
