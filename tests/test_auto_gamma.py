@@ -112,9 +112,30 @@ def test_a_switch_needs_a_clear_gain():
 def test_what_the_run_realized_overrides_the_prediction():
   costs = BatchCosts(batch_size=4, step_seconds=0.01, iteration_seconds={3: 0.015, 9: 0.04})
   assert choose_gamma(costs, 0.99, [20]) == 3
-  assert choose_gamma(costs, 0.99, [20], realized={3: 0.9}) == 9
+  predicted = predicted_speedups(costs, 0.99, [20])
+  assert predicted[3] > predicted[9] > 1.5
+  # gamma 3 realized 0.9x, a third of its prediction: gamma 9's prediction falls alike.
+  assert choose_gamma(costs, 0.99, [20], realized={3: 0.9}) == 0
+  assert choose_gamma(costs, 0.99, [20], realized={9: 0.5 * predicted[9]}) == 3
   assert choose_gamma(costs, 0.99, [20], realized={3: 0.9, 9: 1.02}) == 0
+  assert choose_gamma(costs, 0.99, [20], realized={3: 0.9, 9: 1.2}) == 9
   assert choose_gamma(costs, 0.99, [20], current=9, realized={3: 0.9, 9: 0.97}) == 0
+
+
+def test_a_shortfall_the_run_realized_scales_every_prediction_alike():
+  """A run whose batches decode 10% slower against the calibration's baseline than the
+  calibration predicted keeps its gamma: the others would fall short alike."""
+  costs = BatchCosts(batch_size=4, step_seconds=0.01,
+                     iteration_seconds={2: 0.0140, 3: 0.0175, 5: 0.0245})
+  predicted = predicted_speedups(costs, 0.98, [20])
+  best = max(predicted, key=predicted.get)
+  runner_up = max((g for g in predicted if g not in (0, best)), key=predicted.get)
+  assert predicted[runner_up] > 0.9 * predicted[best] * auto_gamma.MIN_SPEEDUP
+  realized = {best: 0.9 * predicted[best]}
+  assert choose_gamma(costs, 0.98, [20], current=best, realized=realized) == best
+  scaled = auto_gamma.with_realized(predicted, realized)
+  assert scaled[runner_up] == pytest.approx(0.9 * predicted[runner_up])
+  assert scaled[0] == 1.0 and scaled[best] == realized[best]
 
 
 def test_the_decoder_drops_a_gamma_that_does_worse_in_the_run():
@@ -290,3 +311,28 @@ def test_launcher_with_auto_gamma_records_its_choices(tmp_path, tiny_pair_checkp
   gin_flags.parse([f'--gin_file={path}', "--gin.GAMMA='auto'", '--gin.infer.auto_gammas=(0,)'])
   with pytest.raises(ValueError, match='infer.auto_gammas'):
     infer_script.infer()
+
+
+class _CountingDecoder(auto_gamma._ChoosingDecoder):
+  """Decoders that only count their calls (gamma 0 and gamma 1)."""
+
+  def __init__(self):
+    super().__init__((1,), auto_gamma.MIN_SPEEDUP)
+    self.calls = 0
+
+  def _decoder(self, gamma):
+    def decode(batch):
+      self.calls += 1
+      return jnp.zeros(())
+    return decode
+
+
+@pytest.mark.parametrize('budget_seconds,rounds', [(0.0, 2), (1e9, 5)])
+def test_calibration_runs_its_least_rounds_and_more_while_they_fit_the_budget(
+    budget_seconds, rounds):
+  decoder = _CountingDecoder()
+  batches = [jnp.zeros((1,)), jnp.ones((1,))]
+  fastest, outputs = decoder._time_candidates(batches, (2, 5), budget_seconds)
+  compile_calls = 2  # each candidate once per batch shape (both batches share one)
+  assert decoder.calls == compile_calls + rounds * 2 * len(batches)
+  assert set(fastest) == {0, 1} and all(len(o) == len(batches) for o in outputs.values())

@@ -21,7 +21,9 @@ estimate (Corollary 3.6) over every speculative batch decoded so far.
 As the run goes on it measures itself: the seconds of each batch against what the
 baseline would have taken (its step cost times the batch's longest output) give the
 speedup each gamma realizes, which replaces the prediction once a gamma has decoded a
-few batches, so a gamma that does worse in the run than in the calibration is dropped.
+few batches, and scales the other gammas' predictions alike (`with_realized`: what
+moves one gamma off its prediction, the run's batches or the machine's speed, moves all
+of them), so a gamma that does worse in the run than the others would is dropped.
 
 `choose_gamma` is pure (a cost table and alpha in, gamma out); `AutoGammaDecoder` decodes
 batches with it, measuring as it goes; `GammaCostCache` keeps calibrations in JSON files
@@ -50,6 +52,15 @@ from jaxspec.decoding.speculative import AUTO  # noqa: F401  (re-exported)
 from jaxspec.decoding.speculative import SpeculativeConfig, SpeculativeOutput, SpeculativeStats
 
 DEFAULT_GAMMAS = (1, 2, 3, 5, 9)  # gammas measured by calibration (gamma 0 always is)
+# Calibration rounds: each decodes the calibration batches once with every candidate,
+# interleaved, and each candidate keeps its fastest round. The gammas that pay at a few
+# rows differ by a few percent, less than one round's noise on a shared 2-core machine
+# (at batch 4 on the EPYC, two rounds put gamma 3's predicted speedup anywhere in
+# 1.07-1.20x and chose gamma 5 or 9 half of the time, which realized ~6% less than gamma
+# 3); so rounds go on to CALIBRATION_ROUNDS[1] while they fit CALIBRATION_SECONDS (five
+# rounds of batch 4 take ~20 s), and never fewer than CALIBRATION_ROUNDS[0].
+CALIBRATION_ROUNDS = (2, 5)
+CALIBRATION_SECONDS = 60.0
 # Speculation is chosen only where the model predicts at least this speedup: below it a
 # prediction error would cost more than the gain.
 MIN_SPEEDUP = 1.05
@@ -147,16 +158,33 @@ def predicted_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
   return speedups
 
 
+def with_realized(predicted: Mapping[int, float], realized: Mapping[int, float] | None
+                  ) -> dict[int, float]:
+  """{gamma: speedup}: the run's realized speedups where it has them, and the other
+  gammas' predictions scaled by how far the realized ones fell from their own
+  predictions (the geometric mean of realized / predicted). What moves a realized speedup
+  off its prediction (the run's batches against the calibration's, the machine's speed
+  that hour, the baseline's cost the calibration measured) moves every gamma alike, so
+  a gamma that realized 5% under its prediction is compared with the others' predictions
+  5% lower, not with their calibration-time values (which sent runs from the best gamma
+  to worse ones). Gamma 0, the baseline itself, stays 1."""
+  realized = dict(realized or {})
+  ratios = [realized[g] / predicted[g] for g in realized
+            if g and predicted.get(g, 0.0) > 0.0 and realized[g] > 0.0]
+  scale = float(np.exp(np.mean(np.log(ratios)))) if ratios else 1.0
+  return {**{g: (v if g == 0 else v * scale) for g, v in predicted.items()}, **realized}
+
+
 def choose_gamma(costs: BatchCosts, alpha: float, lengths: Sequence[int],
                  min_speedup: float = MIN_SPEEDUP, current: int | None = None,
                  realized: Mapping[int, float] | None = None) -> int:
   """The gamma of the largest predicted speedup; 0 (the baseline) unless some gamma is
-  predicted at least min_speedup. `realized` ({gamma: speedup}) overrides the
-  prediction of the gammas the run itself has measured. With `current` (the gamma in
-  use), a switch needs the new gamma predicted min_speedup times faster than it: each
-  program compiles on first use, and flipping between near-equal choices would only pay
-  compiles."""
-  speedups = {**predicted_speedups(costs, alpha, lengths), **(realized or {})}
+  predicted at least min_speedup. `realized` ({gamma: speedup}) replaces the prediction
+  of the gammas the run itself has measured and scales the others' (`with_realized`).
+  With `current` (the gamma in use), a switch needs the new gamma predicted min_speedup
+  times faster than it: each program compiles on first use, and flipping between
+  near-equal choices would only pay compiles."""
+  speedups = with_realized(predicted_speedups(costs, alpha, lengths), realized)
   best = max(speedups, key=lambda g: (speedups[g], -g))
   if not best or speedups[best] < min_speedup:
     return 0  # no gamma pays clearly: the baseline, whatever ran before
@@ -295,17 +323,23 @@ class _ChoosingDecoder:
       jax.block_until_ready(self._decoder(gamma)(batch))
       self._compiled.add(shapes)
 
-  def _time_candidates(self, batches: Sequence[Any], repeats: int):
-    """({gamma: the fastest of `repeats` rounds of decoding `batches`}, {gamma: the first
-    round's outputs}) for 0 and every gamma, compiled first and interleaved batch by
-    batch so that load hits all alike."""
+  def _time_candidates(self, batches: Sequence[Any], rounds: tuple[int, int],
+                       budget_seconds: float = 0.0):
+    """({gamma: the fastest round of decoding `batches`}, {gamma: the first round's
+    outputs}) for 0 and every gamma, compiled first and interleaved batch by batch so
+    that load hits all alike. rounds (least, most): rounds past the least run while
+    another one fits in budget_seconds of timed decoding."""
     candidates = (0,) + self.gammas
     for gamma in candidates:
       for batch in batches:
         self._compile(gamma, batch)
     fastest = {g: np.inf for g in candidates}
     outputs: dict[int, list] = {g: [] for g in candidates}
-    for repeat in range(repeats):
+    least, most = rounds
+    spent = 0.0
+    for repeat in range(most):
+      if repeat >= least and spent * (repeat + 1) / repeat > budget_seconds:
+        break
       seconds = {g: 0.0 for g in candidates}
       for batch in batches:
         for gamma in candidates:
@@ -313,6 +347,7 @@ class _ChoosingDecoder:
           seconds[gamma] += elapsed
           if repeat == 0:
             outputs[gamma].append(output)
+      spent += sum(seconds.values())
       fastest = {g: min(fastest[g], seconds[g]) for g in candidates}
     return fastest, outputs
 
@@ -412,11 +447,13 @@ class AutoGammaDecoder(_ChoosingDecoder):
     self.lengths = self.lengths or list(data['lengths'])
     return True
 
-  def calibrate(self, batches: Sequence[Any], repeats: int = 2):
+  def calibrate(self, batches: Sequence[Any], rounds: tuple[int, int] = CALIBRATION_ROUNDS,
+                budget_seconds: float = CALIBRATION_SECONDS):
     """Measures step_seconds and iteration_seconds[g] over `batches` (decoded once each
     untimed first, which compiles), interleaving the decoders so that load hits all
-    alike; the fastest of `repeats` rounds. Saves them in the cache."""
-    seconds, outputs = self._time_candidates(batches, repeats)
+    alike; the fastest of rounds[0] to rounds[1] rounds (as many as budget_seconds of
+    decoding holds). Saves them in the cache."""
+    seconds, outputs = self._time_candidates(batches, rounds, budget_seconds)
     for gamma, gamma_outputs in outputs.items():
       for output in gamma_outputs:  # lengths from the baseline's, alpha from the others'
         self._observe(gamma, output, lengths=gamma == 0)
@@ -493,16 +530,18 @@ class AutoBeamDecoder(_ChoosingDecoder):
   def _calibrated_step_seconds(self) -> float:
     return self.step_seconds
 
-  def calibrate(self, batches: Sequence[Any], repeats: int = 2):
+  def calibrate(self, batches: Sequence[Any], rounds: tuple[int, int] = CALIBRATION_ROUNDS,
+                budget_seconds: float = CALIBRATION_SECONDS):
     """Times plain beam search and each gamma over `batches` (compiled first),
-    interleaved; the fastest of `repeats` rounds."""
-    seconds, outputs = self._time_candidates(batches, repeats)
+    interleaved; the fastest of rounds[0] to rounds[1] rounds (as AutoGammaDecoder's)."""
+    seconds, outputs = self._time_candidates(batches, rounds, budget_seconds)
     self.step_seconds = seconds[0] / max(sum(self._work(o) for o in outputs[0]), 1)
     self.measured = {g: seconds[0] / max(seconds[g], 1e-12) for g in self.gammas}
 
   def speedups(self) -> dict[int, float]:
-    """Each gamma's speedup: the run's own where it decoded enough batches with it."""
-    return {**self.measured, **self.realized_speedups()}
+    """Each gamma's speedup: the run's own where it decoded enough batches with it, the
+    others' measurements scaled alike (`with_realized`)."""
+    return with_realized(self.measured, self.realized_speedups())
 
   def choose(self) -> int:
     if self.step_seconds is None:
