@@ -373,3 +373,13 @@ def test_a_call_on_new_shapes_compiles_before_its_clock_starts():
     decoder(batch)
   # Four batches of 0.1 s of plain steps each, decoded in far under 0.3 s all together.
   assert decoder.realized_speedups()[1] > 4 * 0.1 / 0.3
+
+
+def test_calibration_batches_spread_over_the_run():
+  """A task's first examples are not its typical ones: the calibration samples the pending
+  batches from the first to the last, evenly."""
+  pending = [[i] for i in range(10)]
+  assert infer_script.calibration_sample(pending, 4) == [[0], [3], [6], [9]]
+  assert infer_script.calibration_sample(pending, 12) == pending
+  assert infer_script.calibration_sample(pending[:3], 3) == pending[:3]
+  assert infer_script.calibration_batch_count(4) == 12 and infer_script.calibration_batch_count(32) == 3

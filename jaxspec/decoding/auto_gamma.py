@@ -55,10 +55,11 @@ DEFAULT_GAMMAS = (1, 2, 3, 5, 9)  # gammas measured by calibration (gamma 0 alwa
 # Calibration rounds: each decodes the calibration batches once with every candidate,
 # interleaved, and each candidate keeps its fastest round. The gammas that pay at a few
 # rows differ by a few percent, less than one round's noise on a shared 2-core machine
-# (at batch 4 on the EPYC, two rounds put gamma 3's predicted speedup anywhere in
-# 1.07-1.20x and chose gamma 5 or 9 half of the time, which realized ~6% less than gamma
-# 3); so rounds go on to CALIBRATION_ROUNDS[1] while they fit CALIBRATION_SECONDS (five
-# rounds of batch 4 take ~20 s), and never fewer than CALIBRATION_ROUNDS[0].
+# (at batch 4 on the EPYC, three calibrations of two rounds put gamma 3's predicted
+# speedup at 1.09x, 1.20x and 1.07x, and one chose gamma 5; of five rounds, 1.19x-1.24x,
+# choosing gamma 2 or 3); so rounds go on to CALIBRATION_ROUNDS[1] while they fit
+# CALIBRATION_SECONDS (five rounds of batch 4 take ~20 s), never fewer than
+# CALIBRATION_ROUNDS[0].
 CALIBRATION_ROUNDS = (2, 5)
 CALIBRATION_SECONDS = 60.0
 # Speculation is chosen only where the model predicts at least this speedup: below it a

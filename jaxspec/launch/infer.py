@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import sys
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 
 import gin
@@ -215,8 +215,18 @@ def _pending(batches, writer):
 
 
 def calibration_batch_count(batch_size: int) -> int:
-  """Batches gamma='auto' calibrates on: at least 3, and 24 examples."""
-  return max(3, -(-24 // batch_size))
+  """Batches gamma='auto' calibrates on: at least 3, and 48 examples."""
+  return max(3, -(-48 // batch_size))
+
+
+def calibration_sample(pending: Sequence, count: int) -> list:
+  """`count` of the pending batches spread evenly from the first to the last: a task's
+  first examples are not its typical ones (EnDe's test split opens with short interface
+  strings), and a calibration on them predicted gamma 5 at batch 4 on a par with gamma 3,
+  which realized ~5% more over the run."""
+  if len(pending) <= count:
+    return list(pending)
+  return [pending[i] for i in np.linspace(0, len(pending) - 1, count).round().astype(int)]
 
 
 def calibration_key(target_model, drafter, sampling, speculative, **more) -> dict:
@@ -231,7 +241,7 @@ def calibration_key(target_model, drafter, sampling, speculative, **more) -> dic
 def auto_gamma_decoder(decode_baseline, decode_speculative, speculative, *, batch_size,
                        gammas, key, calibration_dir, calibration_batches):
   """An AutoGammaDecoder for the run: its calibration from the cache where there is one,
-  else measured on `calibration_batches` (the run's first batches) and cached."""
+  else measured on `calibration_batches` (spread over the run's batches) and cached."""
   if jax.process_count() > 1:
     raise ValueError("gamma='auto' times decodes on each host and would choose apart; "
                      'set jaxspec.SpeculativeConfig.gamma to an integer for multi-host runs')
@@ -255,8 +265,8 @@ def auto_gamma_decoder(decode_baseline, decode_speculative, speculative, *, batc
 
 def auto_beam_decoder(decode_beam, decode_speculative_beam, speculative_beam,
                       calibration_batches):
-  """An AutoBeamDecoder for the run, measured on `calibration_batches` (the run's first
-  batches): plain beam search wherever no gamma is measured at least 1.05x faster."""
+  """An AutoBeamDecoder for the run, measured on `calibration_batches` (spread over the
+  run's batches): plain beam search wherever no gamma is measured at least 1.05x faster."""
   auto = auto_gamma.AutoBeamDecoder(decode_beam, decode_speculative_beam, speculative_beam)
   if calibration_batches:
     print(f'speculative beam gamma=auto: measuring gammas {auto.gammas} and plain beam '
@@ -884,8 +894,8 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
             target_params, params, batch[0], target_config=target_model,
             draft_config=getattr(drafter, 'config', None), beam=beam, spec=spec,
             max_decode_length=max_decode_length),
-        speculative_beam, [pad_batch(indices) for indices in _pending(
-            batches, writers['speculative_beam'])[:calibration_batch_count(batch_size)]])
+        speculative_beam, [pad_batch(indices) for indices in calibration_sample(
+            _pending(batches, writers['speculative_beam']), calibration_batch_count(batch_size))])
   auto = None
   if speculative.gamma == AUTO and 'speculative' in decoders:
     auto = auto_gamma_decoder(
@@ -895,8 +905,8 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
                             input_length=inputs.shape[1], max_decode_length=max_decode_length,
                             mesh=dict(partitioner.mesh.shape) if partitioner else None),
         calibration_dir=calibration_dir,
-        calibration_batches=[pad_batch(indices) for indices in _pending(
-            batches, writers['speculative'])[:calibration_batch_count(batch_size)]])
+        calibration_batches=[pad_batch(indices) for indices in calibration_sample(
+            _pending(batches, writers['speculative']), calibration_batch_count(batch_size))])
     decode_fns['speculative'] = auto
   _run_decoders(decode_fns, pad_batch, batches, examples, vocab, writers, fingerprint,
                 lambda idx: batch_tokens(idx).shape, interleave)

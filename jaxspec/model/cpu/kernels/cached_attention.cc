@@ -3,7 +3,9 @@
 // keys/values into the cache in place): for each batch row b, head h and query i,
 //   out[b, i, h] = sum_s softmax_s(q[b, i, h] . k[b, h, :, s] + bias[b, h|0, i, s]) v[b, h, :, s]
 // over the first num_keys[b] key slots only, with keys and values in the cache layout
-// [b, h, d, L] (jaxspec.model.cache) and T5's additive mask in `bias` (no 1/sqrt(d)).
+// [b, h, d, L] (jaxspec.model.cache) and T5's additive mask in `bias` (no 1/sqrt(d)); a
+// query whose flag in `active` [b, t] is 0 (a row that ended, a position past a row's
+// proposal: jaxspec.model.cpu.matmul.active_rows) gets zeros and writes nothing.
 //
 // A decode step attends over a cache buffer of max_decode_length + gamma slots, most of
 // them past the decoded prefix; XLA computes all of them, with one dot, softmax and dot
