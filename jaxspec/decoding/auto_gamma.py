@@ -339,7 +339,7 @@ class _ChoosingDecoder:
     least, most = rounds
     spent = 0.0
     for repeat in range(most):
-      if repeat >= least and spent * (repeat + 1) / repeat > budget_seconds:
+      if repeat >= max(least, 1) and spent * (repeat + 1) / repeat > budget_seconds:
         break
       seconds = {g: 0.0 for g in candidates}
       for batch in batches:
