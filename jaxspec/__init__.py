@@ -27,7 +27,8 @@ from jaxspec import pairs
 from jaxspec.config import EOS_ID, PAD_ID, T5Config, get_config
 from jaxspec.decoding.baseline import generate, temperature_sample
 from jaxspec.decoding.beam_search import BeamConfig, beam_search, generate_beam
-from jaxspec.decoding.drafters import (BigramDrafter, DraftContext, Drafter, Int8Drafter,
+from jaxspec.decoding.drafters import (BigramDrafter, DraftContext, Drafter, FeatureDrafter,
+                                       Int8Drafter,
                                        PromptLookupDrafter, SharedEncoderDrafter,
                                        StagedDrafter, StageStats, T5Drafter, UnigramDrafter,
                                        fit_bigram, fit_unigram)
@@ -39,7 +40,8 @@ from jaxspec.pairs import load as load_pair
 from jaxspec.sampling import SamplingConfig
 
 __all__ = [
-    'BeamConfig', 'BigramDrafter', 'DraftContext', 'Drafter', 'EOS_ID', 'Int8Drafter',
+    'BeamConfig', 'BigramDrafter', 'DraftContext', 'Drafter', 'EOS_ID', 'FeatureDrafter',
+    'Int8Drafter',
     'PAD_ID', 'PromptLookupDrafter', 'SamplingConfig', 'SharedEncoderDrafter',
     'SpeculativeBeamConfig', 'SpeculativeConfig', 'StageStats', 'StagedDrafter', 'T5Config',
     'T5Drafter', 'UnigramDrafter',

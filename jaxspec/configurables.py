@@ -9,7 +9,8 @@ import gin
 
 from jaxspec.config import T5Config
 from jaxspec.decoding.beam_search import BeamConfig
-from jaxspec.decoding.drafters import (BigramDrafter, Int8Drafter, PromptLookupDrafter,
+from jaxspec.decoding.drafters import (BigramDrafter, FeatureDrafter, Int8Drafter,
+                                       PromptLookupDrafter,
                                        SharedEncoderDrafter, StagedDrafter, T5Drafter,
                                        UnigramDrafter)
 from jaxspec.decoding.speculative import SpeculativeConfig
@@ -18,11 +19,13 @@ from jaxspec.training.distillation import DataMixConfig, DivergenceConfig
 from jaxspec.partitioning import PartitioningConfig
 from jaxspec.sampling import SamplingConfig
 from jaxspec.training.core import LossConfig, OptimizerConfig
+from jaxspec.training.feature_draft import FeatureLossConfig
 
 for _cls in (T5Config, SamplingConfig, SpeculativeConfig, BeamConfig, SpeculativeBeamConfig,
-             OptimizerConfig, LossConfig, PartitioningConfig, DivergenceConfig, DataMixConfig):
+             OptimizerConfig, LossConfig, PartitioningConfig, DivergenceConfig, DataMixConfig,
+             FeatureLossConfig):
   gin.external_configurable(_cls, module='jaxspec')
 
 for _drafter in (T5Drafter, UnigramDrafter, BigramDrafter, PromptLookupDrafter,
-                 SharedEncoderDrafter, Int8Drafter, StagedDrafter):
+                 SharedEncoderDrafter, Int8Drafter, StagedDrafter, FeatureDrafter):
   gin.external_configurable(_drafter, module='jaxspec')

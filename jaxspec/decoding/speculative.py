@@ -337,8 +337,10 @@ def _iteration_of_rule(state: _LoopState, target_params, drafter_params, encoder
         drafter_params, state.drafter_state, context, gamma, sampling, draft_keys)
     num_drafts = drafts_through_first(drafts == eos_id)  # [b] each row's proposed drafts
 
-  logits, target_cache, positions = _verify(state, target_params, context, drafts,
-                                            num_drafts, target_config, spec.verify_lengths)
+  logits, features, target_cache, positions = _verify(
+      state, target_params, context, drafts, num_drafts, target_config, spec.verify_lengths,
+      drafter.reads_target_features)
+  drafter_state = _observed(drafter, drafter_params, drafter_state, features, state.length)
   # [b, g+1, v]; the token-wise verdict at temperature 0 needs only the argmax.
   target_probs = None if _argmax_verdict(spec, sampling) else standardize(logits, sampling)
   verdict = _verdict(verdict_keys, drafts, draft_probs, logits, target_probs, num_drafts,
@@ -350,10 +352,11 @@ def _iteration_of_rule(state: _LoopState, target_params, drafter_params, encoder
 
 
 def _verify(state: _LoopState, target_params, context: DraftContext, drafts, num_drafts,
-            target_config: T5Config, verify_lengths: tuple[int, ...] = ()):
+            target_config: T5Config, verify_lengths: tuple[int, ...] = (),
+            with_features: bool = False):
   """The target's ONE decode step over x_length (the last committed token) and the
-  drafts [b, g], at each row's offset -> (logits [b, g+1, v], target cache, positions
-  the step ran over []).
+  drafts [b, g], at each row's offset -> (logits [b, g+1, v], the final hidden states
+  [b, g+1, e] with_features (else None), target cache, positions the step ran over []).
 
   With verify_lengths the step runs over the shortest listed length k that holds
   x_length and the longest proposal among the decoding rows (num_drafts [b]), and the
@@ -371,9 +374,11 @@ def _verify(state: _LoopState, target_params, context: DraftContext, drafts, num
   def step(length):
     def run():
       with cpu_matmul.active_rows(needed_positions[:, :length]):
-        logits, cache = T5(target_config).apply(target_params, verify_tokens[:, :length],
-                                                target_cache, method=T5.decode)
-      return jnp.pad(logits, ((0, 0), (0, full - length), (0, 0))), cache
+        logits, features, cache = T5(target_config).apply(
+            target_params, verify_tokens[:, :length], target_cache,
+            method=T5.decode_with_features)
+      pad = ((0, 0), (0, full - length), (0, 0))
+      return jnp.pad(logits, pad), (jnp.pad(features, pad) if with_features else None), cache
     return run
 
   if not verify_lengths:
@@ -381,8 +386,16 @@ def _verify(state: _LoopState, target_params, context: DraftContext, drafts, num
   lengths = (*verify_lengths, full)
   needed = jnp.max(jnp.where(state.done, 0, num_drafts)) + 1  # [] positions to verify
   branch = jnp.sum(needed > jnp.asarray(lengths[:-1]))  # the shortest length >= needed
-  logits, cache = jax.lax.switch(branch, [step(length) for length in lengths])
-  return logits, cache, jnp.asarray(lengths, jnp.int32)[branch]
+  logits, features, cache = jax.lax.switch(branch, [step(length) for length in lengths])
+  return logits, features, cache, jnp.asarray(lengths, jnp.int32)[branch]
+
+
+def _observed(drafter: Drafter, drafter_params, drafter_state, features, length):
+  """The drafter state once it has the verify step's target features [b, k, e] from
+  positions length [b] on (Drafter.observe_target_features); unchanged without them."""
+  if features is None:
+    return drafter_state
+  return drafter.observe_target_features(drafter_params, drafter_state, features, length)
 
 
 def _coupled_iteration(state: _LoopState, target_params, drafter_params, encoder_tokens, *,
@@ -402,8 +415,10 @@ def _coupled_iteration(state: _LoopState, target_params, drafter_params, encoder
       drafter_params, state.drafter_state, context, gamma, sampling,
       None if keys is None else keys[:, :gamma], draft_keys)
   num_drafts = drafts_through_first(drafts == eos_id)  # [b]
-  logits, target_cache, positions = _verify(state, target_params, context, drafts,
-                                            num_drafts, target_config, spec.verify_lengths)
+  logits, features, target_cache, positions = _verify(
+      state, target_params, context, drafts, num_drafts, target_config, spec.verify_lengths,
+      drafter.reads_target_features)
+  drafter_state = _observed(drafter, drafter_params, drafter_state, features, state.length)
   vocab = logits.shape[-1]
   if sampling.is_greedy:
     noise = None
@@ -438,9 +453,10 @@ def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, enc
   batch = drafts.shape[0]
   tree_tokens = multi_draft.flatten_tree(context.last_input()[:, None], drafts)  # [b, t]
   target_cache = rollback(state.target_cache, state.length)
-  tree_logits, target_cache = T5(target_config).apply(
+  tree_logits, tree_features, target_cache = T5(target_config).apply(
       target_params, tree_tokens, target_cache,
-      multi_draft.tree_layout(num_branches, gamma), method=T5.decode)  # [b, t, v]
+      multi_draft.tree_layout(num_branches, gamma),
+      method=T5.decode_with_features)  # [b, t, v], [b, t, e]
   logits = multi_draft.branch_values(tree_logits, num_branches, gamma)  # [b, k, g+1, v]
   if sampling.is_greedy:
     target_probs = None
@@ -451,6 +467,10 @@ def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, enc
   branch = verdict.branch  # [b]
   target_cache = multi_draft.compact_branch(target_cache, state.length, branch, gamma)
   drafter_state = multi_draft.select_branch_state(branch_state, branch, num_branches)
+  if drafter.reads_target_features:  # [b, g+1, e] along the chosen branch's path
+    features = multi_draft.select_branch(
+        multi_draft.branch_values(tree_features, num_branches, gamma), branch)
+    drafter_state = _observed(drafter, drafter_params, drafter_state, features, state.length)
 
   # Non-finite p on the chosen path, or a NaN q in any branch (every branch's q at a
   # depth may have been tried there).

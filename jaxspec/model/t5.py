@@ -8,6 +8,9 @@ Entry points (call with `T5(config).apply(params, ..., method=...)`):
   init_cache(encoded, encoder_tokens, max_length) -> DecoderCache (cross K/V computed once)
   decode(decoder_tokens [b, k], cache)           -> logits [b, k, v], cache
   decode(decoder_tokens [b, k], cache, tree)     -> the same for a token tree (DecodeTree)
+  decode_with_features(decoder_tokens, cache[, tree]) -> logits, features [b, k, e], cache
+  logits_from_features(features [b, k, e])       -> logits [b, k, v] (the LM head alone)
+  embed(tokens [b, k])                           -> the token embeddings [b, k, e]
   __call__(encoder_tokens, decoder_input_tokens) -> logits [b, t, v] (teacher forcing)
 
 `decode` takes k >= 1 new tokens per row at that row's own position
@@ -178,8 +181,11 @@ class Decoder(nn.Module):
     return DecoderCache(layers=tuple(layer_caches), encoder_mask=encoder_tokens > 0,
                         end_index=jnp.zeros((batch,), jnp.int32))
 
-  def __call__(self, decoder_tokens, cache: DecoderCache, tree: DecodeTree | None = None):
-    """decoder_tokens [b, t] -> logits [b, t, v] float32, updated cache.
+  def __call__(self, decoder_tokens, cache: DecoderCache, tree: DecodeTree | None = None,
+               with_features: bool = False):
+    """decoder_tokens [b, t] -> logits [b, t, v] float32, updated cache; with_features:
+    logits, the final hidden states [b, t, e] (after the final layer norm: what the
+    logits are a product of), cache.
 
     tree: the new tokens form a DecodeTree (positions by depth, ancestor mask) instead
     of a sequence; they are still written at slots end_index + 0..t-1.
@@ -196,42 +202,56 @@ class Decoder(nn.Module):
     with cpu_matmul.decode_step():
       if tree is None and num_new < width:
         padded = jnp.pad(decoder_tokens, ((0, 0), (0, width - num_new)))  # [b, w]
-        logits, new_cache = self._step(padded, cache, None)
-        return logits[:, :num_new], new_cache.replace(end_index=cache.end_index + num_new)
-      return self._step(decoder_tokens, cache, tree)
+        logits, features, new_cache = self._step(padded, cache, None)
+        logits, features = logits[:, :num_new], features[:, :num_new]
+        new_cache = new_cache.replace(end_index=cache.end_index + num_new)
+      else:
+        logits, features, new_cache = self._step(decoder_tokens, cache, tree)
+    return (logits, features, new_cache) if with_features else (logits, new_cache)
 
   def _step(self, decoder_tokens, cache: DecoderCache, tree: DecodeTree | None):
-    num_new = decoder_tokens.shape[1]
-    write_positions = cache.end_index[:, None] + jnp.arange(num_new)[None, :]  # [b, t]
-    if tree is None:
-      query_positions = write_positions
-      key_positions = jnp.broadcast_to(jnp.arange(cache.max_length),
-                                       (cache.batch_size, cache.max_length))  # [b, L]
-      # Causal: a query sees cached positions and new ones up to itself; slots past it
-      # (stale after a rollback, or never written) are masked.
-      visible = key_positions[:, None, :] <= query_positions[:, :, None]  # [b, t, L]
-    else:
-      query_positions, key_positions, visible = tree_attention_inputs(
-          tree, cache.end_index, cache.max_length)
-    self_bias = (self.relpos_bias(query_positions, key_positions)
-                 + layers.attention_bias_from_mask(visible))  # [b, h, t, L]
-    cross_bias = layers.attention_bias_from_mask(
-        jnp.broadcast_to(cache.encoder_mask[:, None, :],
-                         (cache.batch_size, num_new, cache.encoder_mask.shape[1])))
+    """-> logits [b, t, v], final hidden states [b, t, e], cache."""
     x = self.dropout(constrain(self.embedder(decoder_tokens), EMBED_AXES, self.role))
-    new_layer_caches = []
-    for layer, layer_cache in zip(self.layers, cache.layers):
-      x, layer_cache = layer(x, layer_cache, write_positions, self_bias, cross_bias)
-      new_layer_caches.append(layer_cache)
+    x, new_cache = decoder_layers(self.layers, self.relpos_bias, x, cache, tree)
     x = self.dropout(self.decoder_norm(x))
+    return self.logits(x), x, new_cache
+
+  def logits(self, features):
+    """features [b, t, e] (after the final layer norm) -> logits [b, t, v] float32."""
     if self.config.logits_via_embedding:
-      logits = self.embedder.attend(x) / math.sqrt(x.shape[-1])
+      logits = self.embedder.attend(features) / math.sqrt(features.shape[-1])
     else:
-      logits = self.logits_dense(x)
-    logits = constrain(logits, VOCAB_AXES, self.role)
-    new_cache = cache.replace(layers=tuple(new_layer_caches),
-                              end_index=cache.end_index + num_new)
-    return logits, new_cache
+      logits = self.logits_dense(features)
+    return constrain(logits, VOCAB_AXES, self.role)
+
+
+def decoder_layers(layer_modules, relpos_bias, x, cache: DecoderCache,
+                   tree: DecodeTree | None = None):
+  """x [b, t, e] through decoder layers at slots cache.end_index + 0..t-1 (causal, or a
+  DecodeTree) -> x [b, t, e], the cache with each layer's keys/values written and its end
+  advanced by t. relpos_bias: the decoder's RelativePositionBias module."""
+  num_new = x.shape[1]
+  write_positions = cache.end_index[:, None] + jnp.arange(num_new)[None, :]  # [b, t]
+  if tree is None:
+    query_positions = write_positions
+    key_positions = jnp.broadcast_to(jnp.arange(cache.max_length),
+                                     (cache.batch_size, cache.max_length))  # [b, L]
+    # Causal: a query sees cached positions and new ones up to itself; slots past it
+    # (stale after a rollback, or never written) are masked.
+    visible = key_positions[:, None, :] <= query_positions[:, :, None]  # [b, t, L]
+  else:
+    query_positions, key_positions, visible = tree_attention_inputs(
+        tree, cache.end_index, cache.max_length)
+  self_bias = (relpos_bias(query_positions, key_positions)
+               + layers.attention_bias_from_mask(visible))  # [b, h, t, L]
+  cross_bias = layers.attention_bias_from_mask(
+      jnp.broadcast_to(cache.encoder_mask[:, None, :],
+                       (cache.batch_size, num_new, cache.encoder_mask.shape[1])))
+  new_layer_caches = []
+  for layer, layer_cache in zip(layer_modules, cache.layers):
+    x, layer_cache = layer(x, layer_cache, write_positions, self_bias, cross_bias)
+    new_layer_caches.append(layer_cache)
+  return x, cache.replace(layers=tuple(new_layer_caches), end_index=cache.end_index + num_new)
 
 
 class T5(nn.Module):
@@ -263,6 +283,21 @@ class T5(nn.Module):
     With a DecodeTree, at positions end_index + tree.depths, each token seeing the cache
     and its ancestors (slots are still end_index + 0..k-1)."""
     return self.decoder(decoder_tokens, cache, tree)
+
+  def decode_with_features(self, decoder_tokens, cache: DecoderCache,
+                           tree: DecodeTree | None = None):
+    """As decode -> logits [b, k, v], the final hidden states [b, k, e] the logits are
+    computed from (after the final layer norm), cache."""
+    return self.decoder(decoder_tokens, cache, tree, with_features=True)
+
+  def logits_from_features(self, features):
+    """features [b, k, e] (final hidden states) -> logits [b, k, v]: the LM head alone
+    (the tied embedding or logits_dense), as decode computes it."""
+    return self.decoder.logits(features)
+
+  def embed(self, tokens):
+    """tokens [b, k] int32 -> the token embeddings [b, k, e] the decoder reads."""
+    return self.token_embedder(tokens)
 
   def __call__(self, encoder_tokens, decoder_input_tokens):
     """Teacher-forced logits [b, t, v] for decoder inputs [b, t] (shifted right)."""

@@ -35,9 +35,14 @@ where they do better; the decoders call them unconditionally, never probing:
   stats(state)
       what the drafter counted over a decode (SpeculativeOutput.drafter_stats).
       Default: None.
+  observe_target_features(params, state, features, start)   (where reads_target_features)
+      the state once it knows the target's final hidden states [b, k, e] of the verify
+      step just run, at positions start[b] + 0..k-1 (a feature-level head reads them
+      instead of its own predictions). Default: the state unchanged; the speculative loop
+      computes and hands them only to drafters that read them.
 
 Implementations (all importable from `jaxspec.decoding.drafters` and `jaxspec`):
-T5Drafter (t5.py); SharedEncoderDrafter and its stand-alone wrapper (shared_encoder.py);
+T5Drafter (t5.py); FeatureDrafter (feature.py); SharedEncoderDrafter and its stand-alone wrapper (shared_encoder.py);
 Int8Drafter (int8.py); UnigramDrafter, BigramDrafter with fit_unigram and fit_bigram
 (ngram.py); PromptLookupDrafter (prompt_lookup.py); StagedDrafter (staged.py), a
 cached-decoder drafter itself decoded speculatively with a cheaper proposer.
@@ -135,6 +140,8 @@ class Drafter(abc.ABC):
   shares_target_cache: ClassVar[bool] = False
   # propose_top_branches is implemented (multi-draft trees at temperature 0).
   proposes_top_branches: ClassVar[bool] = False
+  # observe_target_features reads the target's final hidden states of each verify step.
+  reads_target_features: ClassVar[bool] = False
 
   # The vocabulary drafts are drawn from (the target's): a dataclass field or a property.
   vocab_size: int
@@ -211,6 +218,13 @@ class Drafter(abc.ABC):
     the target then accepts; the staged drafter calls this before each proposal.
     Default: the state unchanged (drafters that read the context's tokens directly)."""
     del params, context, window
+    return state
+
+  def observe_target_features(self, params, state, features, start):
+    """The state once it has the target's final hidden states features [b, k, e] of the
+    verify step just run, at positions start[b] + 0..k-1 (start: the committed length
+    that step verified from). Only where `reads_target_features`. Default: unchanged."""
+    del params, features, start
     return state
 
   def stats(self, state):

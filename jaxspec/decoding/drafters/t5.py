@@ -121,7 +121,8 @@ def catch_up_inputs(decode, cache: DecoderCache, context: DraftContext, window: 
 
 
 def propose_until_unsure(decode, cache: DecoderCache, context: DraftContext, gamma: int,
-                         sampling: SamplingConfig, keys, stop_below: float):
+                         sampling: SamplingConfig, keys, stop_below: float, *,
+                         first_step=consume_last_inputs):
   """As propose_from_decoder, plus the draft_confidence of each draft: -> tokens
   [b, gamma], q [b, gamma, v], confidence [b, gamma], cache. A row also stops after a
   draft whose confidence is below stop_below (adaptive gamma); positions not drafted are
@@ -129,11 +130,11 @@ def propose_until_unsure(decode, cache: DecoderCache, context: DraftContext, gam
   stop are its drafts.
   """
   return _propose_steps(decode, cache, context, gamma, _sampled_draw(sampling, keys, gamma),
-                        sampling=sampling, stop_below=stop_below)
+                        sampling=sampling, stop_below=stop_below, first_step=first_step)
 
 
 def propose_from_decoder(decode, cache: DecoderCache, context: DraftContext, gamma: int,
-                         sampling: SamplingConfig, keys):
+                         sampling: SamplingConfig, keys, *, first_step=consume_last_inputs):
   """gamma drafts from a cached decoder: -> tokens [b, gamma], q [b, gamma, v], cache.
 
   decode(tokens [b, k], cache) -> (logits [b, k, v], cache), e.g. T5.decode. The cache
@@ -141,15 +142,19 @@ def propose_from_decoder(decode, cache: DecoderCache, context: DraftContext, gam
   gamma - 1 single steps run in a while loop. With context.eos_id set, the loop ends
   once every row has drafted EOS or was finished (context.finished()); the positions
   not drafted are token 0, q 0. keys [b]: one PRNG key per row.
+  first_step(decode, cache, context) -> (logits after x_length [b, v], cache at length + 1):
+  how the proposal starts (consume_last_inputs; a feature-level head reads a window).
   """
   tokens, probs, _, cache = _propose_steps(decode, cache, context, gamma,
                                            _sampled_draw(sampling, keys, gamma),
-                                           sampling=sampling, stop_below=None)
+                                           sampling=sampling, stop_below=None,
+                                           first_step=first_step)
   return tokens, probs, cache
 
 
 def propose_coupled_from_decoder(decode, cache: DecoderCache, context: DraftContext,
-                                 gamma: int, sampling: SamplingConfig, position_keys):
+                                 gamma: int, sampling: SamplingConfig, position_keys, *,
+                                 first_step=consume_last_inputs):
   """As propose_from_decoder, each draft i drawn as the baseline draws its position:
   argmax(adjusted logits + the Gumbel noise of position_keys[:, i]) (coupled
   verification); at temperature 0 the argmax alone. -> tokens [b, gamma], noise
@@ -162,7 +167,8 @@ def propose_coupled_from_decoder(decode, cache: DecoderCache, context: DraftCont
     return coupled_tokens(logits, noise, sampling), noise
 
   tokens, noise, _, cache = _propose_steps(decode, cache, context, gamma, draw,
-                                           sampling=sampling, stop_below=None)
+                                           sampling=sampling, stop_below=None,
+                                           first_step=first_step)
   return tokens, noise, cache
 
 
@@ -181,7 +187,8 @@ def _sampled_draw(sampling: SamplingConfig, keys, gamma: int):
 
 
 def _propose_steps(decode, cache: DecoderCache, context: DraftContext, gamma: int, draw, *,
-                   sampling: SamplingConfig, stop_below: float | None):
+                   sampling: SamplingConfig, stop_below: float | None,
+                   first_step=consume_last_inputs):
   """The draft steps of a proposal: draw(i, logits [b, v]) -> (token [b], record [b, v]
   or None) picks draft i. -> tokens [b, g], records [b, g, v] (what draw returned with
   each token: q, or the coupled draws' noise; None if it returns none), confidence
@@ -189,7 +196,7 @@ def _propose_steps(decode, cache: DecoderCache, context: DraftContext, gamma: in
   (context.eos_id set) or a draft whose confidence is below stop_below; finished rows
   after their first draft; the steps end when every row has stopped or gamma are
   drafted."""
-  last_logits, cache = consume_last_inputs(decode, cache, context)  # [b, v]
+  last_logits, cache = first_step(decode, cache, context)  # [b, v]
   batch, vocab = last_logits.shape
   first_token, first_record = draw(0, last_logits)
   tokens = jnp.zeros((batch, gamma), jnp.int32)
@@ -227,7 +234,8 @@ def _propose_steps(decode, cache: DecoderCache, context: DraftContext, gamma: in
 
 
 def propose_top_branches_from_decoder(decode, cache: DecoderCache, context: DraftContext,
-                                      gamma: int, num_branches: int):
+                                      gamma: int, num_branches: int, *,
+                                      first_step=consume_last_inputs):
   """k greedy branches from a cached decoder (multi-draft verification at temperature 0).
 
   Branch j starts with the draft's j-th most likely token after x_length (branch 0 is
@@ -235,7 +243,7 @@ def propose_top_branches_from_decoder(decode, cache: DecoderCache, context: Draf
   continues greedily. -> tokens [b, k, g], q [b, k, g, v] (one-hot at the tokens: each
   was chosen deterministically), cache [b k] (row b's branch j at b k + j).
   """
-  last_logits, cache = consume_last_inputs(decode, cache, context)  # [b, v]
+  last_logits, cache = first_step(decode, cache, context)  # [b, v]
   batch, vocab = last_logits.shape
   _, first = jax.lax.top_k(last_logits, num_branches)  # [b, k]
   cache = repeat_rows(cache, num_branches)  # [b k]

@@ -1,0 +1,52 @@
+"""Checkpoints of feature-level draft heads (jaxspec.model.feature_draft), T5X legacy layout.
+
+The head's tree (`fuse/kernel`, `decoder/relpos_bias`, `decoder/layers_{i}`,
+`decoder/feature_norm`) is stored as any T5X checkpoint (`jaxspec.checkpoints.t5x`);
+loading checks every path and shape against the head's config first.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+from jaxspec.checkpoints import t5x
+from jaxspec.checkpoints.validate import flatten_params
+from jaxspec.config import T5Config
+from jaxspec.model.feature_draft import abstract_params
+
+
+@functools.lru_cache(maxsize=16)
+def expected_shapes(config: T5Config) -> dict[str, tuple[int, ...]]:
+  """'/'-path -> shape of every parameter of the head of `config`, without allocating."""
+  flat = flatten_params(abstract_params(config)['params'])
+  return {path: tuple(leaf.shape) for path, leaf in flat.items()}
+
+
+def check_params(params: Mapping[str, Any], config: T5Config) -> None:
+  """Raises ValueError naming the first path (sorted) that is missing, unexpected or of
+  the wrong shape for the head of `config` (feature_draft.head_config)."""
+  if 'params' in params and set(params) <= {'params', 'params_axes'}:
+    params = params['params']
+  actual = {path: tuple(leaf.shape) for path, leaf in flatten_params(params).items()}
+  expected = expected_shapes(config)
+  for path in sorted(set(actual) | set(expected)):
+    if path not in actual:
+      raise ValueError(f'feature draft head params: missing {path!r} (expected shape '
+                       f'{expected[path]}); is this a head of '
+                       f'{config.num_decoder_layers} layer(s)?')
+    if path not in expected:
+      raise ValueError(f'feature draft head params: unexpected {path!r} of shape '
+                       f'{actual[path]} (a head of {config.num_decoder_layers} layer(s) '
+                       'over a target of this shape has no such parameter)')
+    if actual[path] != expected[path]:
+      raise ValueError(f'feature draft head params: {path!r} has shape {actual[path]}, '
+                       f'the target config expects {expected[path]}')
+
+
+def load(path, config: T5Config, *, dtype=None) -> dict:
+  """The head's 'params' tree from a checkpoint (a checkpoint_<step> directory or its
+  parent, legacy or Orbax), checked against the config; dtype default: on disk."""
+  params = t5x.load_t5x_checkpoint(path, dtype=dtype)
+  check_params(params, config)
+  return params

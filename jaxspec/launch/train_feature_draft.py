@@ -1,0 +1,148 @@
+"""Trains a feature-level draft head against a frozen target; gin-configured, resumable.
+
+  python scripts/train_feature_draft.py --gin_file=configs/train/ende54m_feature_head.gin
+
+The head (jaxspec.model.feature_draft, drafted with jaxspec.FeatureDrafter) reads the
+target's final hidden states and the next token's embedding; the target is loaded from
+train_feature_draft.target_checkpoint and never updated (jaxspec.training.feature_draft).
+Checkpoints are T5X legacy ones of the head's tree, with the optimizer state beside them,
+as scripts/train.py writes them; started again with the same config the run resumes from
+the latest checkpoint, feeding the batches an uninterrupted run would.
+
+Validation reports the head's argmax agreement with the target on the target's own greedy
+outputs for the validation inputs: pass 0 is alpha at temperature 0 of a proposal's
+first draft, pass k that of a draft reading k of the head's own predicted features.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import flax.serialization
+import gin
+import jax
+import numpy as np
+
+from jaxspec.launch import gin_flags
+import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
+from jaxspec.launch import train as train_script
+from jaxspec.training import core as training, distillation, feature_draft as feature_training
+from jaxspec import inference
+from jaxspec.checkpoints import feature_draft as head_checkpoints
+from jaxspec.config import T5Config
+from jaxspec.data import corpora
+from jaxspec.model import feature_draft
+
+
+def _agreement(params, batches, target_params, *, config, target_model, unroll):
+  """Argmax agreement with the target per pass over `batches`."""
+  agree, count = np.zeros(unroll), 0.0
+  for batch in batches:
+    batch_agree, batch_count = feature_training.eval_step(
+        params, batch, target_params, config=config, target_config=target_model,
+        unroll=unroll)
+    agree, count = agree + np.asarray(batch_agree), count + float(batch_count)
+  return agree / max(count, 1.0)
+
+
+def _greedy_pairs(pairs, target_params, target_model, target_length, quantum):
+  inputs = [ids for ids, _ in pairs]
+  return list(zip(inputs, distillation.greedy_targets(target_params, target_model, inputs,
+                                                      target_length, quantum=quantum)))
+
+
+@gin.configurable
+def train_feature_draft(
+    *, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin.REQUIRED,
+    checkpoint_dir: str = gin.REQUIRED, num_layers: int = 1, corpus: str = 'ende',
+    input_length: int = 64, target_length: int = 64, batch_size: int = 64,
+    num_steps: int = 3000,
+    optimizer: training.OptimizerConfig = training.OptimizerConfig(name='adamw',
+                                                                   learning_rate=1e-3),
+    loss: feature_training.FeatureLossConfig = feature_training.FeatureLossConfig(),
+    init_from_target: bool = True, checkpoint_every: int = 250, keep_checkpoints: int = 2,
+    eval_every: int = 250, eval_examples: int = 512, log_every: int = 25, seed: int = 0,
+    max_train_examples: int | None = None,
+    length_quantum: int = training.LENGTH_QUANTUM):
+  """Trains a head of `num_layers` decoder layers over the frozen target.
+
+  init_from_target: start from the target's last decoder layer, relative position bias
+  and final norm (feature_draft.from_target) instead of a random initialization.
+  """
+  config = feature_draft.head_config(target_model, num_layers)
+  os.makedirs(checkpoint_dir, exist_ok=True)
+  with open(os.path.join(checkpoint_dir, 'config.gin'), 'w') as f:
+    f.write(gin.operative_config_str())
+  vocab = corpora.Vocabulary()
+  train_pairs = train_script._encoded_pairs(corpus, 'train', vocab, input_length,
+                                            target_length, max_train_examples)
+  eval_pairs = train_script._encoded_pairs(corpus, 'validation', vocab, input_length,
+                                           target_length, eval_examples)
+  tx = training.make_optimizer(optimizer, num_steps)
+  target_params = inference.load_model_params(target_checkpoint, target_model)
+  eval_batches = training.epoch_batches(
+      _greedy_pairs(eval_pairs, target_params, target_model, target_length, length_quantum),
+      batch_size, seed, 0, length_quantum)
+
+  if init_from_target:
+    params = feature_draft.from_target(target_params, config, jax.random.PRNGKey(seed))
+  else:
+    params = feature_draft.init_params(config, jax.random.PRNGKey(seed))
+  params = jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True), params['params'])
+  head_checkpoints.check_params(params, config)
+  opt_state = tx.init(params)
+  start = train_script._latest_step(checkpoint_dir) or 0
+  if start:
+    params = jax.device_put(head_checkpoints.load(checkpoint_dir, config))
+    optimizer_file = os.path.join(checkpoint_dir, f'optimizer_{start}.msgpack')
+    if os.path.exists(optimizer_file):
+      with open(optimizer_file, 'rb') as f:
+        opt_state = flax.serialization.from_bytes(opt_state, f.read())
+    else:
+      print(f'no optimizer state for step {start}: it restarts from scratch', flush=True)
+    print(f'resuming from step {start}', flush=True)
+  n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  print(f'{n_params / 1e6:.2f}M head parameters ({num_layers} layer(s) of width '
+        f'{config.emb_dim}) over the frozen target, {len(train_pairs)} training examples, '
+        f'steps {start}..{num_steps}', flush=True)
+
+  stream = training.batch_stream(train_pairs, batch_size, seed, start_step=start,
+                                 quantum=length_quantum)
+  started, window_tokens = time.time(), 0.0
+  for step in range(start, num_steps):
+    batch = next(stream)
+    rng = training.dropout_key(seed, step)
+    params, opt_state, metrics = feature_training.train_step(
+        params, opt_state, batch, target_params, rng, config=config,
+        target_config=target_model, optimizer=tx, loss=loss)
+    window_tokens += float(np.sum(batch['targets'] > 0))
+    done = step + 1
+    if done % log_every == 0 or done == num_steps:
+      elapsed = time.time() - started
+      agreement = ' '.join(f'{a:.3f}' for a in np.asarray(metrics['agreement']))
+      print(f'step {done}/{num_steps} loss {float(metrics["loss"]):.4f} '
+            f'regression {float(metrics["regression"][0]):.4f} '
+            f'xent {float(metrics["cross_entropy"][0]):.4f} agreement {agreement} '
+            f'grad_norm {float(metrics["grad_norm"]):.3f} '
+            f'{window_tokens / elapsed:.0f} tokens/s', flush=True)
+      started, window_tokens = time.time(), 0.0
+    if done % eval_every == 0 or done == num_steps:
+      agreement = _agreement(params, eval_batches, target_params, config=config,
+                             target_model=target_model, unroll=max(loss.unroll, 3))
+      print(f"step {done} validation: argmax agreement on the target's greedy outputs by "
+            f'draft step {" ".join(f"{a:.4f}" for a in agreement)}', flush=True)
+    if done % checkpoint_every == 0 or done == num_steps:
+      train_script._save(checkpoint_dir, params, opt_state, done, keep_checkpoints)
+  return params
+
+
+def main(argv: list[str] | None = None):
+  argv = sys.argv[1:] if argv is None else argv
+  gin_flags.parse(argv)
+  train_feature_draft()
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,331 @@
+"""jaxspec.decoding.drafters.feature (FeatureDrafter), jaxspec.model.feature_draft and
+jaxspec.training.feature_draft: a feature-level draft head over the target's hidden states.
+
+- Training: the head, trained a few hundred steps against a tiny target, agrees with the
+  target's argmax far more often than at its start (on the target's own greedy outputs).
+- Proposals: every proposal of a speculative decode equals a from-scratch reference that
+  runs the target teacher forced over the committed prefix and the head over every slot
+  again (no cache, no catch-up): a stale feature, a missed catch-up after a full accept or
+  a stale cache slot changes a draft. Poisoned slots past the committed length change none.
+- Exactness: greedy output token for token the baseline's in every verification mode
+  (token, block, coupled, adaptive gamma, shorter verify steps, a token tree); coupled
+  sampling the baseline's draws; token-wise and block sampling the target's exact
+  distribution (the enumeration of tests/test_speculative.py).
+- Params: the checkpoint round trip and the errors of a wrong head.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import test_speculative as spec_tests  # tests/test_speculative.py: models, enumeration
+from jaxspec.checkpoints import feature_draft as head_checkpoints
+from jaxspec.checkpoints import t5x as t5x_checkpoints
+from jaxspec.decoding.baseline import generate
+from jaxspec.decoding.drafters import DraftSources, FeatureDrafter
+from jaxspec.decoding.drafters.base import DraftContext
+from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
+from jaxspec.model import T5, feature_draft
+from jaxspec.sampling import SamplingConfig
+from jaxspec.training import core as training, feature_draft as feature_training
+
+TARGET = spec_tests.TARGET
+MAX_LEN = spec_tests.MAX_LEN
+GREEDY = SamplingConfig(temperature=0.0)
+TRAIN_STEPS = 300
+
+
+def _random_inputs(rows, seed):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(2, TARGET.vocab_size, (rows, 10)).astype(np.int32)
+  lengths = rng.integers(1, 11, rows)
+  tokens[np.arange(10)[None, :] >= lengths[:, None]] = 0
+  return tokens
+
+
+def _greedy_batches(target_params, inputs, batch_size=64):
+  """Batches of inputs and the target's greedy outputs (training's teacher forcing)."""
+  outputs = generate(target_params, inputs, config=TARGET, max_decode_length=MAX_LEN,
+                     sampling=GREEDY)
+  tokens, lengths = np.asarray(outputs.tokens), np.asarray(outputs.lengths)
+  pairs = [(list(row[row > 0]), list(out[:n])) for row, out, n in zip(inputs, tokens, lengths)]
+  return [training.pad_batch(pairs[i:i + batch_size])
+          for i in range(0, len(pairs), batch_size)]
+
+
+def _agreement(head, batches, target_params, config):
+  sums = [feature_training.eval_step(head, b, target_params, config=config,
+                                     target_config=TARGET, unroll=2) for b in batches]
+  return np.sum([s[0] for s in sums], axis=0) / np.sum([s[1] for s in sums])
+
+
+@functools.cache
+def _training():
+  """(head config, initial head, trained head, agreement before, agreement after)."""
+  target_params = spec_tests._target_params()
+  config = feature_draft.head_config(TARGET, 1)
+  head = feature_draft.from_target(target_params, config, jax.random.PRNGKey(0))['params']
+  initial = jax.tree_util.tree_map(np.array, jax.device_get(head))
+  train = _greedy_batches(target_params, _random_inputs(512, 0))
+  held_out = _greedy_batches(target_params, _random_inputs(128, 1))
+  before = _agreement(head, held_out, target_params, config)
+  optimizer = training.make_optimizer(
+      training.OptimizerConfig(name='adamw', learning_rate=3e-3, warmup_steps=20,
+                               decay='cosine'), TRAIN_STEPS)
+  loss = feature_training.FeatureLossConfig()
+  head = jax.tree_util.tree_map(jnp.array, head)
+  state = optimizer.init(head)
+  for step in range(TRAIN_STEPS):
+    head, state, _ = feature_training.train_step(
+        head, state, train[step % len(train)], target_params, jax.random.PRNGKey(step),
+        config=config, target_config=TARGET, optimizer=optimizer, loss=loss)
+  trained = jax.device_get(head)
+  return config, initial, trained, before, _agreement(trained, held_out, target_params, config)
+
+
+@functools.cache
+def _drafter_params():
+  return FeatureDrafter.make_params(_training()[2], spec_tests._target_params())
+
+
+def test_training_raises_agreement_with_the_target():
+  _, _, _, before, after = _training()
+  assert after[0] > before[0] + 0.3, (before, after)
+  assert after[0] > 0.5 and after[1] > 0.4, after
+
+
+# ----------------------------------------------------------------------------------
+# Proposals against a from-scratch reference.
+
+
+def _reference_drafts(drafter_params, encoder_row, prefix, gamma):
+  """The greedy drafts after `prefix` (committed tokens x_1..x_L), computed from scratch:
+  the target teacher forced over x_0..x_{L-1} for h_0..h_{L-1}, then for each draft the
+  head over every slot 0..L+i-1 (true features up to slot L, its own predictions after).
+  -> (drafts [gamma], the margin of each draft's logit over the runner-up)."""
+  target_params = spec_tests._target_params()
+  model = T5(TARGET)
+  encoder = jnp.asarray(encoder_row)[None]
+  encoded = model.apply(target_params, encoder, method=T5.encode)
+  inputs = [0] + list(prefix)  # x_0..x_L
+  cache = model.apply(target_params, encoded, encoder, len(inputs) + gamma,
+                      method=T5.init_cache)
+  width = TARGET.emb_dim
+  features = [jnp.zeros((width,))]  # slot 0 reads h_{-1} = 0
+  if prefix:
+    _, true_features, _ = model.apply(target_params, jnp.asarray([inputs[:-1]]), cache,
+                                      method=T5.decode_with_features)
+    features += list(true_features[0])
+  config = _training()[0]
+  head = feature_draft.FeatureDraft(config)
+  drafts, margins = [], []
+  for _ in range(gamma):
+    head_cache = feature_draft.init_cache(config, cache, len(inputs))
+    embeddings = model.apply(target_params, jnp.asarray([inputs]), method=T5.embed)
+    predicted, _ = head.apply({'params': _training()[2]}, jnp.stack(features)[None],
+                              embeddings, head_cache)
+    logits = np.asarray(model.apply(target_params, predicted[:, -1:],
+                                    method=T5.logits_from_features))[0, 0]
+    top = np.sort(logits)[-2:]
+    drafts.append(int(np.argmax(logits)))
+    margins.append(float(top[1] - top[0]))
+    features.append(predicted[0, -1])
+    inputs.append(drafts[-1])
+  return drafts, margins
+
+
+@functools.cache
+def _traced_run(gamma):
+  return speculative_generate(
+      spec_tests._target_params(), _drafter_params(), spec_tests._encoder_tokens(),
+      target_config=TARGET, drafter=FeatureDrafter(TARGET),
+      spec=SpeculativeConfig(gamma=gamma), max_decode_length=MAX_LEN, sampling=GREEDY,
+      record_trace=True)
+
+
+def test_every_proposal_equals_the_from_scratch_reference():
+  gamma = 3
+  result = _traced_run(gamma)
+  trace = jax.device_get(result.trace)
+  encoder_tokens = spec_tests._encoder_tokens()
+  compared = full_accepts = caught_up_windows = 0
+  for row in range(encoder_tokens.shape[0]):
+    prefix = []
+    for t in range(MAX_LEN):
+      if trace.committed[row, t] == 0:
+        break
+      proposed = int(trace.num_drafts[row, t])
+      reference, margins = _reference_drafts(_drafter_params(), encoder_tokens[row], prefix,
+                                             gamma)
+      for i in range(proposed):
+        if margins[i] > 1e-4:  # a near tie may round either way in another shape
+          assert trace.drafts[row, t, i] == reference[i], (row, t, i, prefix)
+          compared += 1
+        if trace.drafts[row, t, i] != reference[i]:
+          break  # later reference drafts follow another prefix
+      accepted = int(trace.num_accepted[row, t])
+      full_accepts += accepted == gamma
+      caught_up_windows += accepted > 0
+      step = list(trace.drafts[row, t, :accepted]) + [int(trace.next_token[row, t])]
+      prefix += [int(x) for x in step[:int(trace.committed[row, t])]]
+  np.testing.assert_array_equal(np.asarray(result.output.tokens),
+                                np.asarray(spec_tests._baseline().tokens))
+  # The reference was compared where it matters: after full accepts (a window of gamma + 1
+  # true features next) and after partial ones.
+  assert compared > 30 and full_accepts >= 2 and caught_up_windows >= 5, (
+      compared, full_accepts, caught_up_windows)
+
+
+def test_slots_past_the_committed_length_are_never_read():
+  # A state mid-decode: poison every feature slot past `length` and every cache slot at
+  # or past `caught_up`; the proposal must not change. (Large finite values: a masked
+  # NaN would still reach the attention's output as 0 * NaN, in any implementation.)
+  drafter, params = FeatureDrafter(TARGET), _drafter_params()
+  target_params = spec_tests._target_params()
+  encoder_tokens = spec_tests._encoder_tokens()[:4]
+  model = T5(TARGET)
+  encoded = model.apply(target_params, encoder_tokens, method=T5.encode)
+  target_cache = model.apply(target_params, encoded, encoder_tokens, MAX_LEN + 4,
+                             method=T5.init_cache)
+  state = drafter.init_state_for_decode(params, encoder_tokens, encoded, MAX_LEN + 3,
+                                        target_cache)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(2, TARGET.vocab_size, (4, MAX_LEN)).astype(np.int32)
+  length = np.array([0, 2, 5, 3], np.int32)
+  tokens[np.arange(MAX_LEN)[None, :] >= length[:, None]] = 0
+  caught_up = np.maximum(length - np.array([0, 1, 3, 0]), 0).astype(np.int32)
+  features = rng.standard_normal(state.slot_features.shape).astype(np.float32)
+  context = DraftContext(tokens=jnp.asarray(tokens), length=jnp.asarray(length),
+                         encoder_tokens=jnp.asarray(encoder_tokens))
+
+  def propose(poison):
+    slots = np.arange(features.shape[1])[None, :, None]
+    slot_features = np.where(slots > length[:, None, None], poison, features)
+    cache = state.cache
+    if poison != 0:  # slots from caught_up on hold whatever the head last wrote there
+      layers = []
+      for layer in cache.layers:
+        poisoned = lambda x: jnp.where(  # noqa: E731
+            jnp.arange(x.shape[3])[None, None, None, :] >= caught_up[:, None, None, None],
+            poison, x)
+        layers.append(layer.replace(self_keys=poisoned(layer.self_keys),
+                                    self_values=poisoned(layer.self_values)))
+      cache = cache.replace(layers=tuple(layers))
+    poisoned_state = state.replace(slot_features=jnp.asarray(slot_features),
+                                   caught_up=jnp.asarray(caught_up), cache=cache)
+    drafts, probs, new_state = drafter.propose(params, poisoned_state, context, 3, GREEDY,
+                                               jax.random.split(jax.random.PRNGKey(0), 4))
+    return np.asarray(drafts), np.asarray(probs), new_state
+
+  clean, clean_probs, new_state = propose(0.0)
+  poisoned, poisoned_probs, _ = propose(1e4)
+  np.testing.assert_array_equal(poisoned, clean)
+  np.testing.assert_array_equal(poisoned_probs, clean_probs)
+  np.testing.assert_array_equal(np.asarray(new_state.caught_up), length + 1)
+  # A feature at or before `length` is read: poisoning slot `length` changes the drafts.
+  features[:, :, :] = np.where(np.arange(features.shape[1])[None, :, None] == length[:, None, None],
+                               features * 5.0, features)
+  moved, _, _ = propose(0.0)
+  assert (moved != clean).any()
+
+
+# ----------------------------------------------------------------------------------
+# Exactness in every mode.
+
+
+GREEDY_SPECS = {
+    'token_gamma1': SpeculativeConfig(gamma=1),
+    'token_gamma4': SpeculativeConfig(gamma=4),
+    'block': SpeculativeConfig(gamma=3, verification='block'),
+    'coupled': SpeculativeConfig(gamma=3, verification='coupled'),
+    'adaptive': SpeculativeConfig(gamma=4, draft_confidence_threshold=0.6),
+    'verify_lengths': SpeculativeConfig(gamma=4, verify_lengths=(2, 3)),
+    'tree': SpeculativeConfig(gamma=2, num_drafts=3),
+}
+
+
+@pytest.mark.parametrize('name', list(GREEDY_SPECS))
+def test_greedy_output_is_the_baselines(name):
+  result = speculative_generate(
+      spec_tests._target_params(), _drafter_params(), spec_tests._encoder_tokens(),
+      target_config=TARGET, drafter=FeatureDrafter(TARGET), spec=GREEDY_SPECS[name],
+      max_decode_length=MAX_LEN, sampling=GREEDY)
+  np.testing.assert_array_equal(np.asarray(result.output.tokens),
+                                np.asarray(spec_tests._baseline().tokens))
+  np.testing.assert_array_equal(np.asarray(result.output.lengths),
+                                np.asarray(spec_tests._baseline().lengths))
+  assert float(result.stats.alpha) > 0.4  # the trained head drafts, not chance
+
+
+def test_coupled_sampling_gives_the_baselines_draws():
+  sampling = SamplingConfig(temperature=1.0)
+  key = jax.random.PRNGKey(4)
+  baseline = generate(spec_tests._target_params(), spec_tests._encoder_tokens(), key,
+                      config=TARGET, max_decode_length=MAX_LEN, sampling=sampling)
+  result = speculative_generate(
+      spec_tests._target_params(), _drafter_params(), spec_tests._encoder_tokens(), key,
+      target_config=TARGET, drafter=FeatureDrafter(TARGET),
+      spec=SpeculativeConfig(gamma=3, verification='coupled'), max_decode_length=MAX_LEN,
+      sampling=sampling)
+  np.testing.assert_array_equal(np.asarray(result.output.tokens), np.asarray(baseline.tokens))
+
+
+@functools.cache
+def _small_head_params():
+  """A random head over tests/test_speculative.py's SMALL target (vocab 6)."""
+  config = feature_draft.head_config(spec_tests.SMALL, 1)
+  head = feature_draft.init_params(config, jax.random.PRNGKey(9))
+  return FeatureDrafter.make_params(head, spec_tests._small_target_params())
+
+
+@pytest.mark.parametrize('verification', ['token', 'block'])
+def test_sampling_matches_the_exact_distribution(verification):
+  sampling, gamma, length = spec_tests.SAMPLED_CASES['t1_gamma2']
+  result = speculative_generate(
+      spec_tests._small_target_params(), _small_head_params(),
+      spec_tests._small_encoder_tokens(), jax.random.PRNGKey(0),
+      target_config=spec_tests.SMALL, drafter=FeatureDrafter(spec_tests.SMALL),
+      spec=SpeculativeConfig(gamma=gamma, verification=verification),
+      max_decode_length=length, sampling=sampling)
+  outcomes, probs = spec_tests._exact_joint('target', sampling, length)
+  spec_tests._assert_matches(result.output.tokens, outcomes, probs)
+  counts = np.asarray(result.stats.num_accepted_counts)
+  assert counts[0] > 0 and counts[gamma] > 0  # both the residual and the bonus path ran
+  # The check has power: the draft-side distribution of another model is rejected.
+  spec_tests._assert_rejects(result.output.tokens,
+                             *spec_tests._exact_joint('draft', sampling, length))
+
+
+# ----------------------------------------------------------------------------------
+# Params.
+
+
+def test_checkpoint_round_trip_and_wrong_heads(tmp_path):
+  config, _, trained, _, _ = _training()
+  t5x_checkpoints.save_t5x_checkpoint(str(tmp_path), trained, 7)
+  sources = DraftSources(checkpoint=str(tmp_path), target_params=spec_tests._target_params())
+  params = FeatureDrafter(TARGET).load_params(sources)
+  flat = jax.tree_util.tree_leaves(feature_draft_layout(params['head']['params']))
+  expected = jax.tree_util.tree_leaves(feature_draft_layout(trained))
+  for got, want in zip(flat, expected):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ValueError, match='missing .*layers_1'):
+    FeatureDrafter(TARGET, num_layers=2).load_params(sources)
+  with pytest.raises(ValueError, match='needs infer.draft_checkpoint'):
+    FeatureDrafter(TARGET).load_params(DraftSources(target_params=sources.target_params))
+  with pytest.raises(ValueError, match="target's params"):
+    FeatureDrafter(TARGET).load_params(DraftSources(checkpoint=str(tmp_path)))
+  with pytest.raises(ValueError, match='only inside speculative decoding'):
+    FeatureDrafter(TARGET).init_state(params, spec_tests._encoder_tokens(), MAX_LEN)
+  with pytest.raises(ValueError, match='at least one layer'):
+    FeatureDrafter(TARGET, num_layers=0)
+  head_checkpoints.check_params(trained, config)
+
+
+def feature_draft_layout(tree):
+  """Every kernel in T5X's layout, for comparing a decoding tree with a checkpoint's."""
+  from jaxspec.model.cpu import layout as kernel_layout
+  return kernel_layout.t5x_kernels(tree)
