@@ -260,6 +260,22 @@ def test_greedy_output_is_the_baselines(name):
   assert float(result.stats.alpha) > 0.4  # the trained head drafts, not chance
 
 
+def test_int8_head_is_exact_and_agrees_as_the_float32_head():
+  params = FeatureDrafter.make_params(_training()[2], spec_tests._target_params(), 'int8')
+  leaves = jax.tree_util.tree_leaves(params)
+  assert any(leaf.dtype == jnp.int8 for leaf in leaves)
+  spec = SpeculativeConfig(gamma=3)
+  runs = [speculative_generate(
+      spec_tests._target_params(), p, spec_tests._encoder_tokens(), target_config=TARGET,
+      drafter=FeatureDrafter(TARGET, weights=w), spec=spec, max_decode_length=MAX_LEN,
+      sampling=GREEDY) for p, w in ((params, 'int8'), (_drafter_params(), 'float32'))]
+  np.testing.assert_array_equal(np.asarray(runs[0].output.tokens),
+                                np.asarray(spec_tests._baseline().tokens))
+  assert abs(float(runs[0].stats.alpha) - float(runs[1].stats.alpha)) < 0.1
+  with pytest.raises(ValueError, match='weights in'):
+    FeatureDrafter(TARGET, weights='int4')
+
+
 def test_coupled_sampling_gives_the_baselines_draws():
   sampling = SamplingConfig(temperature=1.0)
   key = jax.random.PRNGKey(4)

@@ -18,6 +18,7 @@ the tied logits). Params name their form: `kernel_int8` + `kernel_scale`,
   dequantize_rows(q, scale)  the float32 matrix they stand for
   tile_int8(q)               q [out, in] -> [out / 64, in / 4, 64, 4], the kernel's tiles
   int8_decoder(params)       a target's decoder params for an int8 draft
+  int8_tree(tree)            every projection kernel and token embedding of a tree in int8
 
 Where the CPU kernel's AVX-512 VNNI build computes the products
 (jaxspec.model.cpu.matmul.int8_tiles_apply), int8_decoder stores each matrix tiled: the
@@ -93,6 +94,15 @@ def _quantize_tree(tree: Mapping[str, Any], path: tuple[str, ...], tiled: bool) 
     else:
       out[key] = np.asarray(value)
   return out
+
+
+def int8_tree(params: Mapping[str, Any], tiled: bool | None = None) -> dict:
+  """A bare params tree (kernels in either layout) with every projection kernel (but the
+  encoding's cross-attention keys/values) and token embedding table in int8, as
+  int8_decoder stores them; host (numpy) arrays. tiled: as int8_decoder."""
+  if tiled is None:
+    tiled = cpu_matmul.int8_tiles_apply()
+  return _quantize_tree(transposed_kernels(params), (), tiled)
 
 
 def int8_decoder(target_params: Mapping[str, Any], tiled: bool | None = None) -> dict:

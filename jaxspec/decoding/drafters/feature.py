@@ -47,8 +47,12 @@ from jaxspec.decoding.drafters.t5 import (propose_coupled_from_decoder, propose_
                                           propose_until_unsure)
 from jaxspec.model import T5, DecoderCache, feature_draft, rollback
 from jaxspec.model.cpu import layout as kernel_layout, matmul as cpu_matmul
+from jaxspec.model.quantization import int8_tree
 from jaxspec.model.sharding import DRAFT
 from jaxspec.sampling import SamplingConfig
+
+
+WEIGHTS = ('float32', 'int8')
 
 
 @flax.struct.dataclass
@@ -77,11 +81,15 @@ class FeatureDrafter(Drafter):
   """A feature-level draft head over the target (module docstring).
 
   config: the TARGET's T5Config (the head has its layer shape). num_layers: the head's
-  decoder layers (1 or 2). params: {'head': {'params'}, 'target': target_head_params(...)}
-  (`load_params`, or `make_params(head_params, target_params)`).
+  decoder layers (1 or 2). weights: 'float32', or 'int8' (the head's kernels and the
+  target's embedding and LM head in int8, jaxspec.model.quantization, read by the CPU's
+  few-row kernel: a draft step then reads a quarter of the bytes; exactness is the
+  verifier's either way). params: {'head': {'params'}, 'target': target_head_params(...)}
+  (`load_params`, or `make_params(head_params, target_params, weights)`).
   """
   config: T5Config
   num_layers: int = 1
+  weights: str = 'float32'
 
   shares_target_cache = True  # init_state_for_decode reads the target's cross cache.
   reads_target_features = True  # observe_target_features keeps the verify steps' h.
@@ -91,6 +99,8 @@ class FeatureDrafter(Drafter):
     if self.num_layers < 1:
       raise ValueError(f'a feature draft head has at least one layer, got num_layers '
                        f'{self.num_layers}')
+    if self.weights not in WEIGHTS:
+      raise ValueError(f'a feature draft head has weights in {WEIGHTS}, got {self.weights!r}')
 
   @property
   def vocab_size(self) -> int:
@@ -101,12 +111,16 @@ class FeatureDrafter(Drafter):
     return feature_draft.head_config(self.config, self.num_layers)
 
   @staticmethod
-  def make_params(head_params: Mapping[str, Any], target_params: Mapping[str, Any]) -> dict:
+  def make_params(head_params: Mapping[str, Any], target_params: Mapping[str, Any],
+                  weights: str = 'float32') -> dict:
     """The drafter's params from the head's tree ({'params'} or bare) and the target's
-    variables, in the platform's decoding layout."""
-    head = head_params if 'params' in head_params else {'params': head_params}
-    return {'head': kernel_layout.for_decoding(head),
-            'target': target_head_params(target_params)}
+    variables: in the platform's decoding layout, or in int8 (weights 'int8')."""
+    head = head_params.get('params', head_params)
+    target = target_head_params(target_params)
+    if weights == 'int8':
+      return jax.device_put({'head': {'params': int8_tree(head)},
+                             'target': {'params': int8_tree(target['params'])}})
+    return {'head': kernel_layout.for_decoding({'params': head}), 'target': target}
 
   def load_params(self, sources: DraftSources):
     """The head's checkpoint (infer.draft_checkpoint) and the target's embedding and LM
@@ -117,7 +131,7 @@ class FeatureDrafter(Drafter):
                        "the target's params")
     head = head_checkpoints.load(checkpoint, self.head_config,
                                  dtype=self.config.param_dtype)
-    params = self.make_params(head, jax.device_get(sources.target_params))
+    params = self.make_params(head, jax.device_get(sources.target_params), self.weights)
     return sources.replicated(params) if sources.partitioner else jax.device_put(params)
 
   def init_state(self, params, encoder_tokens, max_length: int):
