@@ -21,11 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import test_scripts  # tests/test_scripts.py: the tiny pair's launcher configs
 import test_speculative as spec_tests  # tests/test_speculative.py: models, enumeration
+from test_scripts import _unlocked_gin, tiny_checkpoints  # noqa: F401  (fixtures)
 from jaxspec.checkpoints import feature_draft as head_checkpoints
 from jaxspec.checkpoints import t5x as t5x_checkpoints
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafters import DraftSources, FeatureDrafter
+from jaxspec.decoding.drafters import (DraftSources, FeatureDrafter, Int8Drafter,
+                                       StagedDrafter)
 from jaxspec.decoding.drafters.base import DraftContext
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.model import T5, feature_draft
@@ -339,9 +342,45 @@ def test_checkpoint_round_trip_and_wrong_heads(tmp_path):
   with pytest.raises(ValueError, match='at least one layer'):
     FeatureDrafter(TARGET, num_layers=0)
   head_checkpoints.check_params(trained, config)
+  with pytest.raises(ValueError, match="target's verify steps"):
+    StagedDrafter(drafter=Int8Drafter(TARGET), proposer=FeatureDrafter(TARGET))
 
 
 def feature_draft_layout(tree):
   """Every kernel in T5X's layout, for comparing a decoding tree with a checkpoint's."""
   from jaxspec.model.cpu import layout as kernel_layout
   return kernel_layout.t5x_kernels(tree)
+
+
+# ----------------------------------------------------------------------------------
+# The launchers: jaxspec-train-feature-draft, then jaxspec-infer with the head.
+
+
+def test_trained_head_decodes_through_the_launcher(tiny_checkpoints):
+  from jaxspec.launch import infer as infer_script, train_feature_draft
+  tmp_path = tiny_checkpoints
+  test_scripts._parse(tmp_path, test_scripts.TINY_MODEL + f"""
+train_feature_draft.target_model = @tiny_target/jaxspec.T5Config()
+train_feature_draft.target_checkpoint = '{tmp_path}/target'
+train_feature_draft.checkpoint_dir = '{tmp_path}/head'
+train_feature_draft.input_length = 16
+train_feature_draft.target_length = 16
+train_feature_draft.batch_size = 8
+train_feature_draft.num_steps = 3
+train_feature_draft.checkpoint_every = 3
+train_feature_draft.eval_every = 3
+train_feature_draft.eval_examples = 8
+train_feature_draft.max_train_examples = 64
+""")
+  train_feature_draft.train_feature_draft()
+  assert (tmp_path / 'head' / 'checkpoint_3').is_dir()
+  config = test_scripts._infer_config(tmp_path).replace(
+      "infer.drafter = @jaxspec.T5Drafter()\njaxspec.T5Drafter.config = @tiny_draft/jaxspec.T5Config()",
+      "infer.drafter = @jaxspec.FeatureDrafter()\n"
+      "jaxspec.FeatureDrafter.config = @tiny_target/jaxspec.T5Config()\n"
+      "jaxspec.FeatureDrafter.weights = 'int8'")
+  config = config.replace(f"infer.draft_checkpoint = '{tmp_path}/draft'",
+                          f"infer.draft_checkpoint = '{tmp_path}/head'")
+  test_scripts._parse(tmp_path, config)
+  summary = infer_script.infer()
+  assert summary['identical_outputs'] == 5, summary

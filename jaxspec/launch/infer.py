@@ -53,7 +53,8 @@ from jaxspec.config import EOS_ID, T5Config
 from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.beam_search import BeamConfig, generate_beam
-from jaxspec.decoding.drafters import (DraftSources, SharedEncoderDrafter, StagedDrafter,
+from jaxspec.decoding.drafters import (DraftSources, FeatureDrafter, SharedEncoderDrafter,
+                                       StagedDrafter,
                                        StageStats, T5Drafter)
 from jaxspec.decoding import auto_gamma
 from jaxspec.decoding.speculative import (AUTO, SpeculativeConfig, check_compatible,
@@ -641,8 +642,8 @@ def run_settings(*, target_model, target_checkpoint, drafter, draft_checkpoint, 
   decoders run (beyond whether a beam decoder is among them, so the sampling runs'
   fingerprints stay as they were), num_examples (a prefix of the same examples;
   records are checked against them) or the mesh."""
-  uses_draft_checkpoint = (isinstance(drafter, (T5Drafter, SharedEncoderDrafter))
-                           and draft_checkpoint)
+  uses_draft_checkpoint = (isinstance(drafter, (T5Drafter, SharedEncoderDrafter,
+                                                FeatureDrafter)) and draft_checkpoint)
   return inference.describe({
       'target_model': target_model,
       'target_checkpoint': inference.checkpoint_identity(target_checkpoint),

@@ -112,6 +112,10 @@ class StagedDrafter(Drafter):
       raise ValueError('a staged drafter speculates on a drafter with a cached decoder '
                        f'(Int8Drafter, T5Drafter, SharedEncoderDrafter); got '
                        f'{type(self.drafter).__name__}')
+    if self.proposer.reads_target_features:
+      raise ValueError(f'a {type(self.proposer).__name__} drafts from the target\'s verify '
+                       'steps, which a staged drafter\'s proposer never sees; use it as the '
+                       'drafter of speculative decoding itself')
     if self.lookahead < 1:
       raise ValueError(f'lookahead must be >= 1 (tokens proposed a round), got '
                        f'{self.lookahead}')
