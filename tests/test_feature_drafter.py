@@ -255,12 +255,15 @@ def test_greedy_output_is_the_baselines(name):
   result = speculative_generate(
       spec_tests._target_params(), _drafter_params(), spec_tests._encoder_tokens(),
       target_config=TARGET, drafter=FeatureDrafter(TARGET), spec=GREEDY_SPECS[name],
-      max_decode_length=MAX_LEN, sampling=GREEDY)
+      max_decode_length=MAX_LEN, sampling=GREEDY, record_trace=True)
   np.testing.assert_array_equal(np.asarray(result.output.tokens),
                                 np.asarray(spec_tests._baseline().tokens))
   np.testing.assert_array_equal(np.asarray(result.output.lengths),
                                 np.asarray(spec_tests._baseline().lengths))
   assert float(result.stats.alpha) > 0.4  # the trained head drafts, not chance
+  spec = GREEDY_SPECS[name]
+  spec_tests._check_trace(result, spec.gamma, adaptive=name == 'adaptive',
+                          cut_at_eos=name != 'tree')
 
 
 def test_int8_head_is_exact_and_agrees_as_the_float32_head():
@@ -300,15 +303,21 @@ def _small_head_params():
   return FeatureDrafter.make_params(head, spec_tests._small_target_params())
 
 
-@pytest.mark.parametrize('verification', ['token', 'block'])
-def test_sampling_matches_the_exact_distribution(verification):
+SAMPLED_SPECS = {
+    'token': SpeculativeConfig(gamma=2),
+    'block': SpeculativeConfig(gamma=2, verification='block'),
+    'adaptive': SpeculativeConfig(gamma=2, draft_confidence_threshold=0.5),
+}
+
+
+@pytest.mark.parametrize('name', list(SAMPLED_SPECS))
+def test_sampling_matches_the_exact_distribution(name):
   sampling, gamma, length = spec_tests.SAMPLED_CASES['t1_gamma2']
   result = speculative_generate(
       spec_tests._small_target_params(), _small_head_params(),
       spec_tests._small_encoder_tokens(), jax.random.PRNGKey(0),
       target_config=spec_tests.SMALL, drafter=FeatureDrafter(spec_tests.SMALL),
-      spec=SpeculativeConfig(gamma=gamma, verification=verification),
-      max_decode_length=length, sampling=sampling)
+      spec=SAMPLED_SPECS[name], max_decode_length=length, sampling=sampling)
   outcomes, probs = spec_tests._exact_joint('target', sampling, length)
   spec_tests._assert_matches(result.output.tokens, outcomes, probs)
   counts = np.asarray(result.stats.num_accepted_counts)
