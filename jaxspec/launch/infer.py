@@ -15,7 +15,8 @@ and speculative beam search.
       --gin.NUM_BEAMS=4 --gin.DRAFT_BEAMS=8       # beam and speculative beam search
 
 T5X-style flags (--gin_file, --gin.NAME=VALUE, --gin_bindings, --gin_search_paths).
-Every setting is checked before anything is loaded. Writes <output_dir>/<decoder>.jsonl
+Every setting is checked before anything is loaded; a user error ends the command with
+one line (jaxspec.launch.command). Writes <output_dir>/<decoder>.jsonl
 (one record per example: inputs, targets, prediction, per-example stats; the beam
 decoders add the best beam's score and every beam's tokens and score) under an
 exclusive lock, with the settings that produced them (settings.json); resumes after
@@ -44,10 +45,10 @@ import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
 
-from jaxspec.launch import gin_flags
+from jaxspec.launch import command, gin_flags
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses and drafters with gin)
 from jaxspec.measure import benchmark as measure, decode_view, metrics
-from jaxspec import inference, validation
+from jaxspec import errors, inference, validation
 from jaxspec import partitioning as partitioning_lib
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
@@ -243,8 +244,9 @@ def auto_gamma_decoder(decode_baseline, decode_speculative, speculative, *, batc
   """An AutoGammaDecoder for the run: its calibration from the cache where there is one,
   else measured on `calibration_batches` (spread over the run's batches) and cached."""
   if jax.process_count() > 1:
-    raise ValueError("gamma='auto' times decodes on each host and would choose apart; "
-                     'set jaxspec.SpeculativeConfig.gamma to an integer for multi-host runs')
+    raise errors.InvalidSetting(
+        "gamma='auto' times decodes on each host and would choose apart; set "
+        'jaxspec.SpeculativeConfig.gamma to an integer for multi-host runs')
   auto = auto_gamma.AutoGammaDecoder(
       decode_baseline, decode_speculative, speculative, batch_size=batch_size, gammas=gammas,
       key=key, cache=auto_gamma.GammaCostCache(calibration_dir))
@@ -768,41 +770,45 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   padded. 'on' sets it wherever speculation runs, 'off' never; a decode_positions bound
   in the target's config is kept either way.
   """
-  checked_speculative = _checked_speculative(speculative, auto_gammas)
-  check_settings(
-      target_model=target_model, drafter=drafter, decoders=decoders, batch_size=batch_size,
-      num_examples=num_examples, input_length=input_length,
-      input_length_buckets=input_length_buckets,
-      max_decode_length=max_decode_length, sampling=sampling, speculative=checked_speculative,
-      seed=seed, overlong_inputs=overlong_inputs, on_settings_change=on_settings_change,
-      corpus=corpus, split=split, seqio_task=seqio_task, input_file=input_file,
-      input_field=input_field, beam=beam, speculative_beam=speculative_beam,
-      partitioning=partitioning)
-  validation.check_integer('view_examples', view_examples, 0)
-  if not isinstance(interleave, bool):
-    raise ValueError(f'infer.interleave must be True or False, got {interleave!r}')
+  # What the user asked for is checked, read and claimed before any model loads; what
+  # goes wrong there is the user's to fix (one line from the command, jaxspec.errors).
+  with errors.user_input():
+    checked_speculative = _checked_speculative(speculative, auto_gammas)
+    check_settings(
+        target_model=target_model, drafter=drafter, decoders=decoders, batch_size=batch_size,
+        num_examples=num_examples, input_length=input_length,
+        input_length_buckets=input_length_buckets,
+        max_decode_length=max_decode_length, sampling=sampling, speculative=checked_speculative,
+        seed=seed, overlong_inputs=overlong_inputs, on_settings_change=on_settings_change,
+        corpus=corpus, split=split, seqio_task=seqio_task, input_file=input_file,
+        input_field=input_field, beam=beam, speculative_beam=speculative_beam,
+        partitioning=partitioning)
+    validation.check_integer('view_examples', view_examples, 0)
+    if not isinstance(interleave, bool):
+      raise ValueError(f'infer.interleave must be True or False, got {interleave!r}')
   # Multi-host initialization must come before anything touches a device.
   partitioner = partitioning_lib.create_partitioner(partitioning) if partitioning else None
-  target_model = with_fixed_width_steps(target_model, fixed_width_steps, decoders,
-                                        checked_speculative, speculative_beam)
-  check_memory(target_model, drafter, decoders, batch_size, input_length, max_decode_length,
-               checked_speculative, partitioner, beam, speculative_beam)
-  if input_file is None:
-    task = load_task(corpus, seqio_task, split, num_examples, tfds_data_dir)
-  else:
-    task = load_own_text(input_file, input_field, corpus, num_examples)
-    output_dir = os.path.join(output_dir, f"inputs-{task.identity['input_file']}")
-  inputs = encode_inputs(task.input_ids, input_length, overlong_inputs)
-  settings = run_settings(
-      target_model=target_model, target_checkpoint=target_checkpoint, drafter=drafter,
-      draft_checkpoint=draft_checkpoint, task=task, input_length=input_length,
-      input_length_buckets=input_length_buckets,
-      max_decode_length=max_decode_length, batch_size=batch_size, sampling=sampling,
-      speculative=speculative, seed=seed, overlong_inputs=overlong_inputs, decoders=decoders,
-      beam=beam, speculative_beam=speculative_beam,
-      auto_gammas=auto_gammas if speculative.gamma == AUTO else None)
-  fingerprint = inference.settings_fingerprint(settings)
-  output_dir, lock = claim_output_dir(output_dir, settings, on_settings_change, partitioner)
+  with errors.user_input():
+    target_model = with_fixed_width_steps(target_model, fixed_width_steps, decoders,
+                                          checked_speculative, speculative_beam)
+    check_memory(target_model, drafter, decoders, batch_size, input_length,
+                 max_decode_length, checked_speculative, partitioner, beam, speculative_beam)
+    if input_file is None:
+      task = load_task(corpus, seqio_task, split, num_examples, tfds_data_dir)
+    else:
+      task = load_own_text(input_file, input_field, corpus, num_examples)
+      output_dir = os.path.join(output_dir, f"inputs-{task.identity['input_file']}")
+    inputs = encode_inputs(task.input_ids, input_length, overlong_inputs)
+    settings = run_settings(
+        target_model=target_model, target_checkpoint=target_checkpoint, drafter=drafter,
+        draft_checkpoint=draft_checkpoint, task=task, input_length=input_length,
+        input_length_buckets=input_length_buckets,
+        max_decode_length=max_decode_length, batch_size=batch_size, sampling=sampling,
+        speculative=speculative, seed=seed, overlong_inputs=overlong_inputs,
+        decoders=decoders, beam=beam, speculative_beam=speculative_beam,
+        auto_gammas=auto_gammas if speculative.gamma == AUTO else None)
+    fingerprint = inference.settings_fingerprint(settings)
+    output_dir, lock = claim_output_dir(output_dir, settings, on_settings_change, partitioner)
   try:
     return _decode_and_summarize(
         task=task, inputs=inputs, output_dir=output_dir, fingerprint=fingerprint,
@@ -961,13 +967,18 @@ def _add_input_flags(parser):
 
 
 def main(argv: list[str] | None = None):
+  """jaxspec-infer: the flags, then infer() (configs/infer/ende54m_int8.gin by default)."""
   argv = sys.argv[1:] if argv is None else argv
   if not any(a.startswith('--gin_file') for a in argv):
     argv = [f'--gin_file={DEFAULT_GIN_FILE}'] + list(argv)
-  args = gin_flags.parse(argv, add_flags=_add_input_flags)
+  args = gin_flags.parse(argv, description=__doc__.split('\n\n')[0],
+                         add_flags=_add_input_flags)
   own_text = {'input_file': args.input_file, 'input_field': args.input_field}
   infer(**{k: v for k, v in own_text.items() if v is not None})
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())
