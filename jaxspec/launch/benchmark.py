@@ -610,7 +610,8 @@ def main(argv: list[str] | None = None):
   runs = gin_files and [gin_files] or [[f'--gin_file={f}'] for f in DEFAULT_GIN_FILES]
   for files in runs:
     gin.clear_config()
-    gin_flags.parse(files + rest)
+    gin_flags.parse(files + rest, description=__doc__.split('\n\n')[0],
+                    config_dirs=('benchmark',))
     benchmark()
 
 

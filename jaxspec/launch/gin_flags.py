@@ -1,7 +1,8 @@
 """T5X-style gin flags: --gin_file (repeatable), --gin.NAME=VALUE, --gin_bindings,
 --gin_search_paths; --data_dir / --checkpoint_dir, where the shipped data and
-checkpoints are (jaxspec.paths); --verbose (jaxspec.launch.command). Shared by every
-launcher."""
+checkpoints are (jaxspec.paths); --verbose (jaxspec.launch.command); and, for a command
+that names them, its main settings in --help and its shipped configs in --list_configs.
+Shared by every launcher."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import inspect
 import os
 import re
 import tokenize
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import gin
 
@@ -21,6 +22,14 @@ from jaxspec.launch import command
 # gin/ and configs/: the checkout's, or the wheel's copy inside the package.
 GIN_ROOT = str(paths.gin_root())
 _UNKNOWN_PARAMETER = re.compile(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'")
+_HELP_FLAGS = ('-h', '--help')
+
+
+class Setting(NamedTuple):
+  """A setting --help shows: a macro (GAMMA) or a parameter (infer.batch_size) and what
+  it means; its value is the one the configuration it would run gives it."""
+  name: str
+  meaning: str
 
 
 def rewrite_gin_args(argv: list[str]) -> list[str]:
@@ -45,15 +54,19 @@ def _add_gin_flags(parser: argparse.ArgumentParser):
                       help='comma-separated directories searched for gin files and includes')
 
 
-def parse(argv: list[str], description: str = '', add_flags=None) -> argparse.Namespace:
+def parse(argv: list[str], description: str = '', add_flags=None,
+          settings: Sequence[Setting] = (), config_dirs: Sequence[str] = ()) -> argparse.Namespace:
   """Parses gin flags, plus those add_flags(parser) adds, and applies the gin ones.
 
+  settings: what --help lists, with the values of the configuration the flags name.
+  config_dirs: the subdirectories of configs/ whose gin files --list_configs lists.
   Refuses a macro bound by a flag (--gin.NAME=VALUE) that no configuration uses: it
   would change nothing, and is most likely a typo of one that is used. What the user
   got wrong (a missing gin file, an unknown parameter, a typo) raises a
   jaxspec.errors.UserError.
   """
-  parser = argparse.ArgumentParser(description=description)
+  parser = argparse.ArgumentParser(description=description,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   _add_gin_flags(parser)
   parser.add_argument('--data_dir', default=None,
                       help=f'the shipped corpora (default ${paths.DATA_DIR_ENV}, else data/ '
@@ -61,10 +74,19 @@ def parse(argv: list[str], description: str = '', add_flags=None) -> argparse.Na
   parser.add_argument('--checkpoint_dir', default=None,
                       help=f'the shipped checkpoints (default ${paths.CHECKPOINT_DIR_ENV}, '
                       'else checkpoints/ of the working directory or of the checkout)')
+  if config_dirs:
+    parser.add_argument('--list_configs', '--list-configs', action='store_true',
+                        help='list the shipped configs of this command and what each runs')
   command.add_verbose_flag(parser)
   if add_flags:
     add_flags(parser)
-  args = parser.parse_args(rewrite_gin_args(argv))
+  argv = rewrite_gin_args(argv)
+  if any(arg in _HELP_FLAGS for arg in argv):
+    parser.epilog = help_epilog(argv, settings, config_dirs)
+  args = parser.parse_args(argv)
+  if getattr(args, 'list_configs', False):
+    print(list_configs(config_dirs), end='')
+    raise SystemExit(0)
   for flag, variable in ((args.data_dir, paths.DATA_DIR_ENV),
                          (args.checkpoint_dir, paths.CHECKPOINT_DIR_ENV)):
     if flag:
@@ -119,8 +141,8 @@ def find_gin_file(gin_file: str, search_paths: Sequence[str]) -> str:
       candidate = os.path.join(directory, gin_file)
       if os.path.isfile(candidate):
         return candidate
-  shipped = (f' The shipped configs are in {os.path.join(GIN_ROOT, "configs")}.'
-             if gin_file.startswith('configs') else '')
+  shipped = (' The shipped configs are configs/<command>/<name>.gin; --list_configs lists '
+             "a command's." if gin_file.startswith('configs') else '')
   raise errors.MissingFile(
       f'--gin_file {gin_file}: no such file in the working directory'
       + ('' if os.path.isabs(gin_file) else f' nor in {", ".join(search_paths)}') + '.'
@@ -208,3 +230,113 @@ def configurable_hint(message: str) -> str:
   close = difflib.get_close_matches(match.group(1), sorted(names), n=3)
   return f'Did you mean {" or ".join(map(repr, close))}?' if close else ''
 
+
+# --help and --list_configs: what a newcomer changes, and what ships.
+
+_HELP_NAME_WIDTH = 25
+_HELP_VALUE_WIDTH = 28
+
+
+def format_value(value) -> str:
+  """A bound value as gin would write it: 'auto', 0.0, ('speculative',), @jaxspec.X()."""
+  if isinstance(value, gin.config.ConfigurableReference):
+    return str(value)
+  return repr(value)
+
+
+def setting_value(name: str) -> str | None:
+  """The value the parsed configuration gives a macro (NAME) or a parameter
+  (configurable.parameter, else its default in the Python signature); None where the
+  configuration has no such setting."""
+  if '.' not in name:  # A macro.
+    try:
+      return format_value(gin.query_parameter(f'%{name}'))
+    except ValueError:
+      return None
+  try:
+    return format_value(gin.query_parameter(name))
+  except ValueError:
+    pass
+  selector, _, parameter = name.rpartition('.')
+  try:  # gin has no public way to reach a configurable's function.
+    function = gin.config._REGISTRY.get_match(selector).wrapped  # pylint: disable=protected-access
+    default = inspect.signature(function).parameters[parameter].default
+  except Exception:  # A private API, or no such parameter: no value to show.
+    return None
+  return None if default is inspect.Parameter.empty else format_value(default)
+
+
+def settings_table(settings: Sequence[Setting]) -> str:
+  """One line a setting the configuration has: name, value, meaning."""
+  lines = []
+  for setting in settings:
+    value = setting_value(setting.name)
+    if value is None:
+      continue
+    if len(value) > _HELP_VALUE_WIDTH:  # The meaning on a line of its own.
+      lines.append(f'  {setting.name:<{_HELP_NAME_WIDTH}} {value}')
+      lines.append(f'  {"":<{_HELP_NAME_WIDTH + _HELP_VALUE_WIDTH}}  {setting.meaning}')
+    else:
+      lines.append(f'  {setting.name:<{_HELP_NAME_WIDTH}} {value:<{_HELP_VALUE_WIDTH}}  '
+                   f'{setting.meaning}')
+  return '\n'.join(lines)
+
+
+def help_epilog(argv: list[str], settings: Sequence[Setting],
+                config_dirs: Sequence[str]) -> str:
+  """The end of --help: the main settings with the values of the configuration argv
+  names (its gin files and bindings), and where the shipped configs are."""
+  parser = argparse.ArgumentParser(add_help=False)
+  _add_gin_flags(parser)
+  known, _ = parser.parse_known_args([arg for arg in argv if arg not in _HELP_FLAGS])
+  parts = []
+  if settings:
+    files = ', '.join(known.gin_file) or 'no --gin_file'
+    files += ' and the flags' if known.gin_bindings else ''
+    try:
+      gin.clear_config()
+      parse_gin(known.gin_file, known.gin_bindings, known.gin_search_paths)
+    except errors.UserError as error:
+      parts.append(f'main settings: not shown, the configuration does not parse: '
+                   f'{command.one_line(error)}')
+    else:
+      parts.append('main settings (--gin.NAME=VALUE; the values of ' + files + '):\n'
+                   + settings_table(settings))
+  if config_dirs:
+    root = os.path.join(GIN_ROOT, 'configs')
+    shipped = ' and '.join(f'configs/{directory}/' for directory in config_dirs)
+    parts.append(f'shipped configs: {shipped} in {root}\n'
+                 f'  (--gin_file=configs/{config_dirs[0]}/<name>.gin; --list_configs lists them)')
+  return '\n\n'.join(parts)
+
+
+def config_summary(path: str) -> str:
+  """What a gin file runs: the first sentence of its opening comment, without
+  parentheses, cut to about 75 characters."""
+  comment = []
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      if not line.startswith('#') or not line[1:].strip():
+        break
+      comment.append(line[1:].strip())
+  text = ' '.join(comment)
+  while re.search(r'\([^()]*\)', text):
+    text = re.sub(r'\s*\([^()]*\)', '', text)
+  sentence = re.split(r'(?<=\.)\s|:\s+python\s', text, maxsplit=1)[0].rstrip(':')
+  if len(sentence) > 75:
+    sentence = sentence[:72].rsplit(' ', 1)[0] + '...'
+  return sentence
+
+
+def list_configs(config_dirs: Sequence[str]) -> str:
+  """The shipped configs under configs/<dir> for each of config_dirs: the --gin_file
+  to give, and what each runs."""
+  lines = [f'shipped configs (in {os.path.join(GIN_ROOT, "configs")}):']
+  files = [f'configs/{directory}/{name}' for directory in config_dirs
+           for name in sorted(os.listdir(os.path.join(GIN_ROOT, 'configs', directory)))
+           if name.endswith('.gin')]
+  width = max(map(len, files), default=0)
+  for gin_file in files:
+    lines.append(f'  --gin_file={gin_file:<{width}}  '
+                 f'{config_summary(os.path.join(GIN_ROOT, gin_file))}')
+  return '\n'.join(lines) + '\n'

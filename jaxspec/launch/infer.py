@@ -14,9 +14,10 @@ and speculative beam search.
   python scripts/infer.py --gin_file=configs/infer/ende54m_beam.gin \
       --gin.NUM_BEAMS=4 --gin.DRAFT_BEAMS=8       # beam and speculative beam search
 
-T5X-style flags (--gin_file, --gin.NAME=VALUE, --gin_bindings, --gin_search_paths).
-Every setting is checked before anything is loaded; a user error ends the command with
-one line (jaxspec.launch.command). Writes <output_dir>/<decoder>.jsonl
+T5X-style flags (--gin_file, --gin.NAME=VALUE, --gin_bindings, --gin_search_paths);
+--help lists the main settings with the config's values, --list_configs the shipped
+configs. Every setting is checked before anything is loaded; a user error ends the
+command with one line (jaxspec.launch.command). Writes <output_dir>/<decoder>.jsonl
 (one record per example: inputs, targets, prediction, per-example stats; the beam
 decoders add the best beam's score and every beam's tokens and score) under an
 exclusive lock, with the settings that produced them (settings.json); resumes after
@@ -966,13 +967,38 @@ def _add_input_flags(parser):
                       help='with --input_file: read JSON lines and decode this field')
 
 
+# What --help lists, with the values of the config the command would run.
+SETTINGS = (
+    gin_flags.Setting('TEMPERATURE', 'sampling temperature; 0 is greedy'),
+    gin_flags.Setting('TOP_K', 'sample among the k likeliest; 0: all'),
+    gin_flags.Setting('TOP_P', 'sample within this top mass; 1.0: all'),
+    gin_flags.Setting('GAMMA', "drafts per target call; 'auto': measured"),
+    gin_flags.Setting('VERIFICATION', "'token', 'block' or 'coupled'"),
+    gin_flags.Setting('LENIENCE', 'below 1.0 accepts more, changes outputs'),
+    gin_flags.Setting('NUM_BEAMS', 'beams of the beam decoders'),
+    gin_flags.Setting('BEAM_GAMMA', "draft steps per target call ('beam')"),
+    gin_flags.Setting('infer.drafter', 'what proposes the drafts'),
+    gin_flags.Setting('infer.target_checkpoint', "the target's T5X checkpoint"),
+    gin_flags.Setting('infer.draft_checkpoint', "a T5 draft's checkpoint"),
+    gin_flags.Setting('infer.decoders', "also 'beam', 'speculative_beam'"),
+    gin_flags.Setting('infer.corpus', "the shipped task: 'ende' or 'docsum'"),
+    gin_flags.Setting('infer.split', "'train', 'validation' or 'test'"),
+    gin_flags.Setting('infer.num_examples', 'the first N examples (None: all)'),
+    gin_flags.Setting('infer.batch_size', 'examples decoded together'),
+    gin_flags.Setting('infer.max_decode_length', 'most tokens an output takes'),
+    gin_flags.Setting('infer.seed', "sampling's PRNG seed"),
+    gin_flags.Setting('infer.output_dir', 'records, settings and summary'),
+    gin_flags.Setting('infer.on_settings_change', "'new_dir': other settings write beside"),
+)
+CONFIG_DIRS = ('infer', 'table2')  # configs/<dir>/*.gin: what --list_configs lists
+
 def main(argv: list[str] | None = None):
   """jaxspec-infer: the flags, then infer() (configs/infer/ende54m_int8.gin by default)."""
   argv = sys.argv[1:] if argv is None else argv
   if not any(a.startswith('--gin_file') for a in argv):
     argv = [f'--gin_file={DEFAULT_GIN_FILE}'] + list(argv)
   args = gin_flags.parse(argv, description=__doc__.split('\n\n')[0],
-                         add_flags=_add_input_flags)
+                         add_flags=_add_input_flags, settings=SETTINGS, config_dirs=CONFIG_DIRS)
   own_text = {'input_file': args.input_file, 'input_field': args.input_field}
   infer(**{k: v for k, v in own_text.items() if v is not None})
 

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if not any(a.startswith('--gin_file') for a in argv):
     argv = [f'--gin_file={DEFAULT_GIN_FILE}'] + list(argv)
-  gin_flags.parse(argv)
+  gin_flags.parse(argv, description=__doc__.split('\n\n')[0], config_dirs=('soak',))
   report = soak()
   print(json.dumps(report, indent=2))
   for failure in report['failures']:

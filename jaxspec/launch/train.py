@@ -314,7 +314,7 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
 
 def main(argv: list[str] | None = None):
   argv = sys.argv[1:] if argv is None else argv
-  gin_flags.parse(argv)
+  gin_flags.parse(argv, description=__doc__.split('\n\n')[0], config_dirs=('train',))
   train()
 
 

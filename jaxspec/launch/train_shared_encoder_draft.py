@@ -184,7 +184,7 @@ def train_shared_encoder_draft(
 
 def main(argv: list[str] | None = None):
   argv = sys.argv[1:] if argv is None else argv
-  gin_flags.parse(argv)
+  gin_flags.parse(argv, description=__doc__.split('\n\n')[0], config_dirs=('train',))
   train_shared_encoder_draft()
 
 
