@@ -17,7 +17,9 @@ and speculative beam search.
 T5X-style flags (--gin_file, --gin.NAME=VALUE, --gin_bindings, --gin_search_paths);
 --help lists the main settings with the config's values, --list_configs the shipped
 configs. Every setting is checked before anything is loaded; a user error ends the
-command with one line (jaxspec.launch.command). Writes <output_dir>/<decoder>.jsonl
+command with one line (jaxspec.launch.command). Each --gin.NAME=VALUE that changes the
+records adds _name=value to the config's output_dir (output_dir_suffix), so runs of
+other settings write apart. Writes <output_dir>/<decoder>.jsonl
 (one record per example: inputs, targets, prediction, per-example stats; the beam
 decoders add the best beam's score and every beam's tokens and score) under an
 exclusive lock, with the settings that produced them (settings.json); resumes after
@@ -35,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 from typing import NamedTuple, Sequence
 
@@ -987,10 +990,64 @@ SETTINGS = (
     gin_flags.Setting('infer.batch_size', 'examples decoded together'),
     gin_flags.Setting('infer.max_decode_length', 'most tokens an output takes'),
     gin_flags.Setting('infer.seed', "sampling's PRNG seed"),
-    gin_flags.Setting('infer.output_dir', 'records, settings and summary'),
+    gin_flags.Setting('infer.output_dir', 'records; --gin flags add a suffix'),
     gin_flags.Setting('infer.on_settings_change', "'new_dir': other settings write beside"),
 )
 CONFIG_DIRS = ('infer', 'table2')  # configs/<dir>/*.gin: what --list_configs lists
+
+# infer's parameters that change no record (the examples asked for, where and how the
+# run writes and times them): bound by a flag, they keep the default output directory.
+RUN_ONLY_PARAMETERS = ('num_examples', 'output_dir', 'interleave', 'view_examples',
+                       'on_settings_change', 'calibration_dir', 'partitioning',
+                       'tfds_data_dir')
+_BINDING = re.compile(r'\s*([A-Za-z_][\w./]*)\s*=\s*(.*?)\s*$')
+_SUFFIX_LENGTH = 80
+
+
+def output_dir_suffix(bindings: Sequence[str]) -> str:
+  """What the flags' bindings (--gin.NAME=VALUE) add to the config's output_dir, so that
+  runs of other settings write apart and a rerun of the same command resumes: each
+  binding but those of RUN_ONLY_PARAMETERS as _name=value, sorted by name (macros in
+  lower case, infer.'s parameters without it, values cut to their letters, digits and
+  . + - _). '' when none is left; hashed past _SUFFIX_LENGTH characters.
+
+  --gin.TEMPERATURE=1.0 --gin.infer.num_examples=3 -> '_temperature=1.0'.
+  """
+  named = {}
+  for binding in bindings:
+    for line in binding.splitlines():
+      if match := _BINDING.match(line):
+        named[match.group(1)] = match.group(2)  # Later bindings win, as in gin.
+  parts = []
+  for name, value in sorted(named.items()):
+    parameter = name.removeprefix('infer.')
+    if parameter in RUN_ONLY_PARAMETERS:
+      continue
+    shown = parameter.lower() if parameter.isupper() else parameter.replace('/', '.')
+    words = re.findall(r'[\w.+-]+', value)  # ('speculative',) -> speculative
+    parts.append(f"_{shown}={'-'.join(words) or 'none'}")
+  suffix = ''.join(parts)
+  if len(suffix) > _SUFFIX_LENGTH:
+    digest = hashlib.sha256(suffix.encode()).hexdigest()[:8]
+    suffix = f'{suffix[:_SUFFIX_LENGTH - 9]}-{digest}'
+  return suffix
+
+
+def flagged_output_dir(bindings: Sequence[str]) -> dict:
+  """{'output_dir': the config's infer.output_dir + output_dir_suffix(bindings)} where
+  the flags do not name an output_dir and change a setting; else {}."""
+  if any(match.group(1) == 'infer.output_dir' for binding in bindings
+         for line in binding.splitlines() if (match := _BINDING.match(line))):
+    return {}
+  suffix = output_dir_suffix(bindings)
+  try:
+    configured = gin.query_parameter('infer.output_dir')
+  except ValueError:  # Unset: infer() names it.
+    return {}
+  if not suffix or not isinstance(configured, str):
+    return {}
+  return {'output_dir': configured.rstrip('/') + suffix}
+
 
 def main(argv: list[str] | None = None):
   """jaxspec-infer: the flags, then infer() (configs/infer/ende54m_int8.gin by default)."""
@@ -1000,7 +1057,8 @@ def main(argv: list[str] | None = None):
   args = gin_flags.parse(argv, description=__doc__.split('\n\n')[0],
                          add_flags=_add_input_flags, settings=SETTINGS, config_dirs=CONFIG_DIRS)
   own_text = {'input_file': args.input_file, 'input_field': args.input_field}
-  infer(**{k: v for k, v in own_text.items() if v is not None})
+  infer(**{k: v for k, v in own_text.items() if v is not None},
+        **flagged_output_dir(args.gin_bindings))
 
 
 cli = command.entry_point(main)
