@@ -12,6 +12,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jaxspec.errors import InvalidSetting
+
 PAD_ID = 0  # Padding, and the decoder start token.
 EOS_ID = 1
 UNK_ID = 2
@@ -68,20 +70,24 @@ class T5Config:
 
   def __post_init__(self):
     if self.mlp_activations not in (('gelu', 'linear'), ('relu',)):
-      raise ValueError(
+      raise InvalidSetting(
           "mlp_activations must be ('gelu', 'linear') (T5.1.1) or ('relu',) (T5 1.0),"
           f' got {self.mlp_activations!r}')
     for name in ('vocab_size', 'emb_dim', 'num_heads', 'head_dim', 'mlp_dim',
                  'num_encoder_layers', 'num_decoder_layers'):
       if getattr(self, name) < 1:
-        raise ValueError(f'{name} must be >= 1, got {getattr(self, name)}')
-    jnp.dtype(self.dtype)
-    jnp.dtype(self.param_dtype)
+        raise InvalidSetting(f'{name} must be >= 1, got {getattr(self, name)}')
+    for name in ('dtype', 'param_dtype'):
+      try:
+        jnp.dtype(getattr(self, name))
+      except TypeError:
+        raise InvalidSetting(f"{name} must name a dtype ('float32', 'bfloat16', ...), got "
+                             f'{getattr(self, name)!r}') from None
     check_cpu_matmul(self.cpu_matmul)
     if self.decode_positions < 0:
-      raise ValueError(f'decode_positions must be >= 0 (0: off), got {self.decode_positions}')
+      raise InvalidSetting(f'decode_positions must be >= 0 (0: off), got {self.decode_positions}')
     if not 0.0 <= self.dropout_rate < 1.0:
-      raise ValueError(f'dropout_rate must be in [0, 1), got {self.dropout_rate}')
+      raise InvalidSetting(f'dropout_rate must be in [0, 1), got {self.dropout_rate}')
 
   @property
   def compute_dtype(self):
@@ -93,7 +99,7 @@ class T5Config:
 
 def check_cpu_matmul(cpu_matmul: str) -> None:
   if cpu_matmul not in CPU_MATMULS:
-    raise ValueError(f'cpu_matmul must be one of {CPU_MATMULS}, got {cpu_matmul!r}')
+    raise InvalidSetting(f'cpu_matmul must be one of {CPU_MATMULS}, got {cpu_matmul!r}')
 
 
 def _t5_1_1(emb_dim, num_heads, num_layers, mlp_dim) -> T5Config:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxspec.checkpoints import t5x as t5x_checkpoints
+from jaxspec import errors
 from jaxspec.config import OMIT_AT_DEFAULT, T5Config
 from jaxspec.data import corpora
 from jaxspec.model.cpu import layout as kernel_layout
@@ -59,13 +60,14 @@ def fit_inputs(rows: Sequence[Sequence[int]], length: int,
 
   A row fits if it and its EOS take at most `length` tokens. overlong 'truncate' cuts
   the others to length - 1 tokens plus EOS (seqio's append_eos_after_trim); 'error'
-  raises ValueError naming them. The caller reports what was truncated.
+  raises jaxspec.errors.InvalidSetting (a ValueError) naming them. The caller reports
+  what was truncated.
   """
   if overlong not in OVERLONG_ACTIONS:
-    raise ValueError(f'overlong must be one of {OVERLONG_ACTIONS}, got {overlong!r}')
+    raise errors.InvalidSetting(f'overlong must be one of {OVERLONG_ACTIONS}, got {overlong!r}')
   too_long = [i for i, row in enumerate(rows) if len(row) + 1 > length]
   if too_long and overlong == 'error':
-    raise ValueError(
+    raise errors.InvalidSetting(
         f'{len(too_long)} of {len(rows)} inputs are longer than the input length {length} '
         f'(with EOS): rows {too_long[:10]}, the first with {len(rows[too_long[0]]) + 1} '
         "tokens; raise the input length or let them be truncated (overlong 'truncate')")
@@ -79,8 +81,8 @@ def check_length_buckets(buckets: Sequence[int], length: int, name: str = 'bucke
   if (any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) for b in buckets)
       or any(b < 1 or b > length for b in buckets)
       or any(a >= b for a, b in zip(buckets, buckets[1:]))):
-    raise ValueError(f'{name} must be increasing integers from 1 to the input length '
-                     f'{length}, got {buckets!r}')
+    raise errors.InvalidSetting(f'{name} must be increasing integers from 1 to the input length '
+                                f'{length}, got {buckets!r}')
 
 
 def trim_to_bucket(tokens: np.ndarray, buckets: Sequence[int]) -> np.ndarray:
@@ -122,8 +124,8 @@ class ResumableJsonl:
       try:
         record = json.loads(line)
       except json.JSONDecodeError as error:  # Only the last line can be torn by a kill.
-        raise ValueError(f'{self.path}, line {number}, is not a JSON record ({error}); '
-                         'only a torn last line is repaired on resume') from error
+        raise errors.InvalidSetting(f'{self.path}, line {number}, is not a JSON record ({error}); '
+                                    'only a torn last line is repaired on resume') from error
       self.records[record['index']] = record
     if keep != len(data):
       with open(self.path, 'r+b') as f:
@@ -254,11 +256,11 @@ def settings_differences(old, new, prefix: str = '') -> list[str]:
   return [] if old == new else [prefix or '(all)']
 
 
-class SettingsChanged(ValueError):
+class SettingsChanged(errors.InvalidSetting):
   """The output directory holds records written with other settings."""
 
 
-class OutputDirectoryBusy(RuntimeError):
+class OutputDirectoryBusy(errors.UserError, RuntimeError):
   """Another process holds the output directory's lock."""
 
 
@@ -343,8 +345,8 @@ def claim_output_dir(output_dir: str, settings: dict,
   run again). A directory locked by a live process raises OutputDirectoryBusy.
   """
   if on_settings_change not in SETTINGS_CHANGE_ACTIONS:
-    raise ValueError(f'on_settings_change must be one of {SETTINGS_CHANGE_ACTIONS}, '
-                     f'got {on_settings_change!r}')
+    raise errors.InvalidSetting(f'on_settings_change must be one of {SETTINGS_CHANGE_ACTIONS}, '
+                                f'got {on_settings_change!r}')
   os.makedirs(output_dir, exist_ok=True)
   lock = DirectoryLock(output_dir)
   try:
@@ -380,14 +382,15 @@ def read_text_inputs(data: bytes, source: str, field: str | None = None
   """(inputs, numbers of the empty lines) from a file's bytes: one input a line, or,
   with `field`, JSON lines whose `field` holds the input. Empty and whitespace-only
   inputs are returned as skipped lines, not inputs. Bad UTF-8, bad JSON or a missing
-  field raise ValueError naming the source and line."""
+  field raise jaxspec.errors.InvalidSetting (a ValueError) naming the source and line."""
   inputs, empty = [], []
   for number, raw in enumerate(data.splitlines(), 1):
     try:
       line = raw.decode('utf-8')
     except UnicodeDecodeError as error:
-      raise ValueError(f'{source}, line {number}: not valid UTF-8 (byte '
-                       f'0x{raw[error.start]:02x} at column {error.start + 1})') from None
+      raise errors.InvalidSetting(
+          f'{source}, line {number}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at '
+          f'column {error.start + 1})') from None
     text = line if field is None else _json_field(line, field, source, number)
     if text.strip():
       inputs.append(TextInput(number, text))
@@ -402,13 +405,13 @@ def _json_field(line: str, field: str, source: str, number: int) -> str:
   try:
     record = json.loads(line)
   except json.JSONDecodeError as error:
-    raise ValueError(f'{source}, line {number}: not a JSON record ({error})') from None
+    raise errors.InvalidSetting(f'{source}, line {number}: not a JSON record ({error})') from None
   if not isinstance(record, dict) or field not in record:
     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-    raise ValueError(f'{source}, line {number}: no field {field!r} (has {keys})')
+    raise errors.InvalidSetting(f'{source}, line {number}: no field {field!r} (has {keys})')
   if not isinstance(record[field], str):
-    raise ValueError(f'{source}, line {number}: field {field!r} holds '
-                     f'{type(record[field]).__name__}, not text')
+    raise errors.InvalidSetting(f'{source}, line {number}: field {field!r} holds '
+                                f'{type(record[field]).__name__}, not text')
   return record[field]
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import inference, paths, validation
+from jaxspec import errors, inference, paths, validation
 from jaxspec.config import EOS_ID, T5Config, get_config
 from jaxspec.data import corpora
 from jaxspec.decoding.baseline import generate
@@ -58,7 +58,8 @@ DECODERS = ('speculative', 'baseline')
 
 
 def default_checkpoint_dir() -> pathlib.Path:
-  """$JAXSPEC_CHECKPOINT_DIR, else the checkout's checkpoints/ (jaxspec.paths)."""
+  """$JAXSPEC_CHECKPOINT_DIR, else the working directory's or the checkout's checkpoints/
+  (jaxspec.paths)."""
   return paths.checkpoint_dir()
 
 
@@ -230,7 +231,8 @@ def load(name: str, draft: str | None = None, *, dtype: str = 'float32',
   (decode_positions 10: gamma up to 9), so greedy outputs stay the baseline's.
 
   checkpoint_dir: the directory holding <directory>/target and
-  <directory>/draft_<draft> (default: the source checkout's checkpoints/).
+  <directory>/draft_<draft> (default: $JAXSPEC_CHECKPOINT_DIR, else the working
+  directory's or the source checkout's checkpoints/, jaxspec.paths).
   """
   if name not in PAIRS:
     raise KeyError(f'unknown pair {name!r}; known: {sorted(PAIRS)}')
@@ -240,9 +242,10 @@ def load(name: str, draft: str | None = None, *, dtype: str = 'float32',
     raise ValueError(f'draft must be one of {DRAFTS}, got {draft!r}')
   root = pathlib.Path(checkpoint_dir or default_checkpoint_dir()) / (spec.directory or spec.task)
   if not root.is_dir():
-    raise FileNotFoundError(
-        f'no checkpoints for {name} at {root}: the shipped pairs live in the source '
-        "checkout's checkpoints/ directory (pip install -e .), or pass checkpoint_dir")
+    raise errors.MissingFile(
+        f"no checkpoints for {name} at {root}: the shipped pairs live in a checkout's "
+        f'checkpoints/ directory; run from the checkout, set ${paths.CHECKPOINT_DIR_ENV} '
+        'or pass checkpoint_dir')
   target_config = get_config(spec.target, dtype=dtype, param_dtype=dtype)
   if not cpu_matmul.exact_across_widths(dtype, target_config.cpu_matmul):
     # Fixed-width target steps as wide as the widest verify step of any gamma the pair

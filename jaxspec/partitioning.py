@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxspec.checkpoints import sharded
 from jaxspec.config import T5Config
+from jaxspec.errors import InvalidSetting
 from jaxspec.model import abstract_params
 from jaxspec.model import sharding as activation_partitioning
 from jaxspec.model.sharding import mesh_axes  # noqa: F401  (part of this module's API)
@@ -94,9 +95,9 @@ class PartitioningConfig:
 
   def __post_init__(self):
     if self.num_partitions < 1:
-      raise ValueError(f'num_partitions must be >= 1, got {self.num_partitions}')
+      raise InvalidSetting(f'num_partitions must be >= 1, got {self.num_partitions}')
     if self.num_devices is not None and self.num_devices < 1:
-      raise ValueError(f'num_devices must be >= 1 or None, got {self.num_devices}')
+      raise InvalidSetting(f'num_devices must be >= 1 or None, got {self.num_devices}')
     object.__setattr__(self, 'logical_axis_rules', _as_rules(self.logical_axis_rules))
     object.__setattr__(self, 'draft_logical_axis_rules',
                        _as_rules(self.draft_logical_axis_rules))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import prng
+from jaxspec.errors import InvalidSetting
 
 MIN_TEMPERATURE = 1e-4  # At or below this temperature sampling is argmax, as in T5X.
 NEG_INF = -1e10
@@ -33,11 +34,11 @@ class SamplingConfig:
 
   def __post_init__(self):
     if not self.temperature >= 0.0:
-      raise ValueError(f'temperature must be >= 0, got {self.temperature}')
+      raise InvalidSetting(f'temperature must be >= 0, got {self.temperature}')
     if self.top_k < 0:
-      raise ValueError(f'top_k must be >= 0 (0 disables it), got {self.top_k}')
+      raise InvalidSetting(f'top_k must be >= 0 (0 disables it), got {self.top_k}')
     if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f'top_p must be in (0, 1] (1 disables it), got {self.top_p}')
+      raise InvalidSetting(f'top_p must be in (0, 1] (1 disables it), got {self.top_p}')
 
   @property
   def is_greedy(self) -> bool:

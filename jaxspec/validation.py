@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import T5Config
+from jaxspec.errors import InvalidSetting
 
 # What a decoder does after a call in which some rows saw non-finite logits.
 NONFINITE_ACTIONS = ('raise', 'warn', 'ignore')
@@ -41,35 +42,35 @@ def check_encoder_tokens(encoder_tokens, vocab_size: int, max_input_length: int 
   """
   shape = np.shape(encoder_tokens)
   if len(shape) != 2:
-    raise ValueError(f'encoder_tokens must be [batch, length], got shape {shape}')
+    raise InvalidSetting(f'encoder_tokens must be [batch, length], got shape {shape}')
   if shape[0] == 0 or shape[1] == 0:
-    raise ValueError(f'encoder_tokens is empty: shape {shape}')
+    raise InvalidSetting(f'encoder_tokens is empty: shape {shape}')
   dtype = np.dtype(encoder_tokens.dtype if hasattr(encoder_tokens, 'dtype')
                    else np.asarray(encoder_tokens).dtype)
   if not np.issubdtype(dtype, np.integer):
-    raise ValueError(f'encoder_tokens must be integer token ids, got dtype {dtype}')
+    raise InvalidSetting(f'encoder_tokens must be integer token ids, got dtype {dtype}')
   if not is_concrete(encoder_tokens):
     return
   tokens = np.asarray(encoder_tokens)
   empty_rows = np.flatnonzero(~np.any(tokens != 0, axis=1))
   if empty_rows.size:
-    raise ValueError(f'encoder_tokens rows {empty_rows[:10].tolist()} are empty (all padding)')
+    raise InvalidSetting(f'encoder_tokens rows {empty_rows[:10].tolist()} are empty (all padding)')
   bad = np.argwhere((tokens < 0) | (tokens >= vocab_size))
   if bad.size:
     row, column = bad[0]
-    raise ValueError(f'token id {tokens[row, column]} at row {row}, position {column} is '
-                     f'outside the vocabulary [0, {vocab_size})')
+    raise InvalidSetting(f'token id {tokens[row, column]} at row {row}, position {column} is '
+                         f'outside the vocabulary [0, {vocab_size})')
   if max_input_length is not None:
     lengths = np.sum(tokens != 0, axis=1)
     if lengths.max() > max_input_length:
       row = int(lengths.argmax())
-      raise ValueError(f'row {row} has {lengths[row]} input tokens, more than the '
-                       f'configured maximum of {max_input_length}')
+      raise InvalidSetting(f'row {row} has {lengths[row]} input tokens, more than the '
+                           f'configured maximum of {max_input_length}')
 
 
 def check_max_decode_length(max_decode_length: int):
   if int(max_decode_length) < 1:
-    raise ValueError(f'max_decode_length must be >= 1, got {max_decode_length}')
+    raise InvalidSetting(f'max_decode_length must be >= 1, got {max_decode_length}')
 
 
 AUTO_GAMMA = 'auto'  # a config's gamma chosen by measurement (jaxspec.decoding.auto_gamma)
@@ -80,16 +81,16 @@ def check_gamma_setting(name: str, gamma):
   if gamma == AUTO_GAMMA:
     return
   if isinstance(gamma, bool) or not isinstance(gamma, int):
-    raise ValueError(f"gamma ({name}) must be an integer, got {gamma!r} (or "
-                     f"'{AUTO_GAMMA}': chosen by measurement)")
+    raise InvalidSetting(f"gamma ({name}) must be an integer, got {gamma!r} (or "
+                         f"'{AUTO_GAMMA}': chosen by measurement)")
   if gamma < 1:
-    raise ValueError(f'gamma must be >= 1, got {gamma}')
+    raise InvalidSetting(f'gamma must be >= 1, got {gamma}')
 
 
 def check_gamma(gamma: int, max_decode_length: int):
   """A proposal must fit the output: one target call commits up to gamma + 1 tokens."""
   if gamma >= max_decode_length:
-    raise ValueError(
+    raise InvalidSetting(
         f'gamma {gamma} is larger than the decode buffer allows: a target call commits up '
         f'to gamma + 1 tokens and max_decode_length is {max_decode_length}, so use '
         f'gamma <= {max_decode_length - 1}')
@@ -102,19 +103,19 @@ def check_decode_positions(config, widest_step: int, num_drafts: int = 1):
   if not width:
     return
   if num_drafts > 1:
-    raise ValueError(f'T5Config.decode_positions ({width}) fixes the width of sequence '
-                     f'steps; a token tree of num_drafts={num_drafts} branches is not padded '
-                     'to it: use decode_positions=0 or num_drafts=1')
+    raise InvalidSetting(f'T5Config.decode_positions ({width}) fixes the width of sequence '
+                         f'steps; a token tree of num_drafts={num_drafts} branches is not padded '
+                         'to it: use decode_positions=0 or num_drafts=1')
   if widest_step > width:
-    raise ValueError(f'T5Config.decode_positions ({width}) is narrower than the target\'s '
-                     f'verify step of {widest_step} positions (gamma + 1), whose rows would '
-                     f'then round unlike the baseline\'s steps: set it to at least '
-                     f'{widest_step}, or gamma to at most {width - 1}')
+    raise InvalidSetting(f'T5Config.decode_positions ({width}) is narrower than the target\'s '
+                         f'verify step of {widest_step} positions (gamma + 1), whose rows would '
+                         f'then round unlike the baseline\'s steps: set it to at least '
+                         f'{widest_step}, or gamma to at most {width - 1}')
 
 
 def check_nonfinite_action(action: str):
   if action not in NONFINITE_ACTIONS:
-    raise ValueError(f'on_nonfinite must be one of {NONFINITE_ACTIONS}, got {action!r}')
+    raise InvalidSetting(f'on_nonfinite must be one of {NONFINITE_ACTIONS}, got {action!r}')
 
 
 def report_nonfinite_rows(nonfinite_rows, action: str):
@@ -146,25 +147,25 @@ def report_nonfinite_rows(nonfinite_rows, action: str):
 def check_integer(name: str, value, minimum: int | None = None, maximum: int | None = None):
   """Raises ValueError unless value is an integer (bool refused) in [minimum, maximum]."""
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise ValueError(f'{name} must be an integer, got {value!r} ({type(value).__name__})')
+    raise InvalidSetting(f'{name} must be an integer, got {value!r} ({type(value).__name__})')
   if minimum is not None and value < minimum:
-    raise ValueError(f'{name} must be >= {minimum}, got {value}')
+    raise InvalidSetting(f'{name} must be >= {minimum}, got {value}')
   if maximum is not None and value > maximum:
-    raise ValueError(f'{name} must be <= {maximum}, got {value}')
+    raise InvalidSetting(f'{name} must be <= {maximum}, got {value}')
 
 
 def check_real(name: str, value, minimum: float | None = None, maximum: float | None = None,
                *, open_minimum: bool = False):
   """Raises ValueError unless value is a finite real number within the bounds."""
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise ValueError(f'{name} must be a number, got {value!r} ({type(value).__name__})')
+    raise InvalidSetting(f'{name} must be a number, got {value!r} ({type(value).__name__})')
   if not math.isfinite(value):
-    raise ValueError(f'{name} must be finite, got {value}')
+    raise InvalidSetting(f'{name} must be finite, got {value}')
   if minimum is not None and (value <= minimum if open_minimum else value < minimum):
     bound = f'> {minimum}' if open_minimum else f'>= {minimum}'
-    raise ValueError(f'{name} must be {bound}, got {value}')
+    raise InvalidSetting(f'{name} must be {bound}, got {value}')
   if maximum is not None and value > maximum:
-    raise ValueError(f'{name} must be <= {maximum}, got {value}')
+    raise InvalidSetting(f'{name} must be <= {maximum}, got {value}')
 
 
 def check_sampling_values(temperature, top_k, top_p):
@@ -185,14 +186,14 @@ def model_variables(params, name: str = 'params'):
   """{'params': tree} as Flax's apply takes it: a bare T5 tree (with 'encoder',
   'decoder', 'token_embedder') is wrapped; anything else without 'params' is refused."""
   if not isinstance(params, Mapping):
-    raise ValueError(f"{name} must be a dict {{'params': tree}}, got {type(params).__name__}")
+    raise InvalidSetting(f"{name} must be a dict {{'params': tree}}, got {type(params).__name__}")
   if 'params' in params:
     return params
   if _MODEL_TREE_KEYS <= set(params) or {'encoder', 'decoder'} <= set(params):
     return {'params': params}
-  raise ValueError(f"{name} must be {{'params': tree}} (the variables of a jaxspec T5, e.g. "
-                   f'from jaxspec.inference.load_model_params); got a dict with keys '
-                   f'{sorted(map(str, params))[:8]}')
+  raise InvalidSetting(f"{name} must be {{'params': tree}} (the variables of a jaxspec T5, e.g. "
+                       f'from jaxspec.inference.load_model_params); got a dict with keys '
+                       f'{sorted(map(str, params))[:8]}')
 
 
 def token_array(encoder_tokens, name: str = 'encoder_tokens'):
@@ -203,11 +204,11 @@ def token_array(encoder_tokens, name: str = 'encoder_tokens'):
   try:
     array = np.asarray(encoder_tokens)
   except ValueError as error:  # NumPy refuses ragged nested lists.
-    raise ValueError(f'{name} rows have different lengths; pad them with 0 to one length '
-                     f'([batch, length])') from error
+    raise InvalidSetting(f'{name} rows have different lengths; pad them with 0 to one length '
+                         f'([batch, length])') from error
   if array.dtype == object:
-    raise ValueError(f'{name} rows have different lengths or non-integer entries; pad '
-                     'them with 0 to one length ([batch, length] integer ids)')
+    raise InvalidSetting(f'{name} rows have different lengths or non-integer entries; pad '
+                         'them with 0 to one length ([batch, length] integer ids)')
   if array.size and not np.issubdtype(array.dtype, np.integer):
     return array  # check_encoder_tokens names the dtype.
   return jnp.asarray(array, jnp.int32)
@@ -216,7 +217,7 @@ def token_array(encoder_tokens, name: str = 'encoder_tokens'):
 def prng_key(rng, name: str = 'rng'):
   """None, a PRNG key or per-row keys pass unchanged; a Python int seeds PRNGKey."""
   if isinstance(rng, bool):
-    raise ValueError(f'{name} must be a PRNG key or an integer seed, got {rng!r}')
+    raise InvalidSetting(f'{name} must be a PRNG key or an integer seed, got {rng!r}')
   if isinstance(rng, numbers.Integral):
     return jax.random.PRNGKey(int(rng))
   return rng
@@ -296,7 +297,7 @@ def check_decode_memory(needed_bytes: int, available_bytes: int | None, what: st
   """Raises ValueError when the estimate exceeds what is available (None: unknown)."""
   if available_bytes is None or needed_bytes <= available_bytes:
     return
-  raise ValueError(
+  raise InvalidSetting(
       f'{what} needs about {needed_bytes / 2**30:.1f} GiB for its caches and attention '
       f'scores, more than the {available_bytes / 2**30:.1f} GiB available; lower gamma, '
       'max_decode_length or the batch size')

@@ -1,6 +1,8 @@
 """`jaxspec-accelerator-bench`: see jaxspec/launch/accelerator_bench.py, or run with --help."""
 
-from jaxspec.launch.accelerator_bench import main
+import sys
+
+from jaxspec.launch.accelerator_bench import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

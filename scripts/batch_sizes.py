@@ -1,6 +1,8 @@
 """`jaxspec-batch-sizes`: see jaxspec/launch/batch_sizes.py, or run with --help."""
 
-from jaxspec.launch.batch_sizes import main
+import sys
+
+from jaxspec.launch.batch_sizes import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

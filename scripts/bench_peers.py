@@ -1,6 +1,8 @@
 """`jaxspec-bench-peers`: see jaxspec/launch/bench_peers.py, or run with --help."""
 
-from jaxspec.launch.bench_peers import cli as main
+import sys
+
+from jaxspec.launch.bench_peers import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -1,6 +1,8 @@
 """`jaxspec-benchmark`: see jaxspec/launch/benchmark.py, or run with --help."""
 
-from jaxspec.launch.benchmark import main
+import sys
+
+from jaxspec.launch.benchmark import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -1,6 +1,8 @@
 """`jaxspec-best-checkpoint`: see jaxspec/launch/best_checkpoint.py, or run with --help."""
 
-from jaxspec.launch.best_checkpoint import main
+import sys
+
+from jaxspec.launch.best_checkpoint import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -1,6 +1,8 @@
 """`jaxspec-build-corpora`: see jaxspec/launch/build_corpora.py, or run with --help."""
 
-from jaxspec.launch.build_corpora import main
+import sys
+
+from jaxspec.launch.build_corpora import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -1,6 +1,8 @@
 """`jaxspec-cost-model`: see jaxspec/launch/cost_model.py, or run with --help."""
 
-from jaxspec.launch.cost_model import main
+import sys
+
+from jaxspec.launch.cost_model import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -1,6 +1,8 @@
 """`jaxspec-export-checkpoint`: see jaxspec/launch/export_checkpoint.py, or run with --help."""
 
-from jaxspec.launch.export_checkpoint import main
+import sys
+
+from jaxspec.launch.export_checkpoint import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

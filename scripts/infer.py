@@ -1,6 +1,8 @@
 """`jaxspec-infer`: see jaxspec/launch/infer.py, or run with --help."""
 
-from jaxspec.launch.infer import main
+import sys
+
+from jaxspec.launch.infer import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

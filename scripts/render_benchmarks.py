@@ -1,6 +1,8 @@
 """`jaxspec-render-benchmarks`: see jaxspec/launch/render_benchmarks.py, or run with --help."""
 
-from jaxspec.launch.render_benchmarks import main
+import sys
+
+from jaxspec.launch.render_benchmarks import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

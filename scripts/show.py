@@ -1,6 +1,8 @@
 """`jaxspec-show`: see jaxspec/launch/show.py, or run with --help."""
 
-from jaxspec.launch.show import main
+import sys
+
+from jaxspec.launch.show import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

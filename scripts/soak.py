@@ -2,7 +2,7 @@
 
 import sys
 
-from jaxspec.launch.soak import main
+from jaxspec.launch.soak import cli
 
 if __name__ == '__main__':
-  sys.exit(main())
+  sys.exit(cli())

@@ -1,6 +1,8 @@
 """`jaxspec-staged-bench`: see jaxspec/launch/staged_bench.py, or run with --help."""
 
-from jaxspec.launch.staged_bench import main
+import sys
+
+from jaxspec.launch.staged_bench import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

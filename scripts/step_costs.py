@@ -1,6 +1,8 @@
 """`jaxspec-step-costs`: see jaxspec/launch/step_costs.py, or run with --help."""
 
-from jaxspec.launch.step_costs import main
+import sys
+
+from jaxspec.launch.step_costs import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -1,6 +1,8 @@
 """`jaxspec-train`: see jaxspec/launch/train.py, or run with --help."""
 
-from jaxspec.launch.train import main
+import sys
+
+from jaxspec.launch.train import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

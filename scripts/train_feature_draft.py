@@ -1,6 +1,8 @@
 """`jaxspec-train-feature-draft`: see jaxspec/launch/train_feature_draft.py, or run with --help."""
 
-from jaxspec.launch.train_feature_draft import main
+import sys
+
+from jaxspec.launch.train_feature_draft import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -1,6 +1,8 @@
 """`jaxspec-train-shared-encoder-draft`: see jaxspec/launch/train_shared_encoder_draft.py, or run with --help."""
 
-from jaxspec.launch.train_shared_encoder_draft import main
+import sys
+
+from jaxspec.launch.train_shared_encoder_draft import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -1,6 +1,8 @@
 """`jaxspec-train-vocab`: see jaxspec/launch/train_vocab.py, or run with --help."""
 
-from jaxspec.launch.train_vocab import main
+import sys
+
+from jaxspec.launch.train_vocab import cli
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -54,9 +54,13 @@ argument calls it as before. JAXSPEC_TESTS_FRESH_INIT=1 turns this off.
 import atexit
 import gc
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
+import zipfile
 
 _FAST_COMPILE_FLAGS = {'xla_backend_optimization_level': '0',
                        'xla_cpu_use_fusion_emitters': 'false',
@@ -242,3 +246,20 @@ def tiny_launcher_run(tmp_path_factory, tiny_pair_checkpoints):
     shutil.copytree(tiny_pair_checkpoints / name, directory / name)
   _sharded_worker.run_launcher(str(directory), f'{directory}/plain')
   return directory
+
+
+@pytest.fixture(scope='session')
+def installed_wheel(tmp_path_factory):
+  """A wheel of the checkout installed into a fresh virtual environment (tests/_wheel.py:
+  its dependencies from the running environment): (venv python, wheel's file names)."""
+  import _wheel  # pylint: disable=g-import-not-at-top  (tests/)
+  root = tmp_path_factory.mktemp('wheel')
+  subprocess.run([sys.executable, '-m', 'pip', 'wheel', '-q', '--no-deps',
+                  '--no-build-isolation', '-w', str(root / 'dist'), _wheel.REPO], check=True)
+  [wheel] = (root / 'dist').glob('jaxspec-*.whl')
+  python = _wheel.make_venv(root / 'venv')
+  subprocess.run([python, '-m', 'pip', 'install', '-q', '--no-deps', '--no-index', str(wheel)],
+                 check=True, env=_wheel.venv_environment(python))
+  with zipfile.ZipFile(wheel) as archive:
+    names = set(archive.namelist())
+  return pathlib.Path(python), names

@@ -11,12 +11,13 @@ import re
 import subprocess
 import sys
 import tomllib
-import zipfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from _wheel import venv_environment
 
 from jaxspec import get_config
 from jaxspec.model import T5, init_params
@@ -85,24 +86,6 @@ def test_pyproject_lists_every_package_of_the_tree():
   assert _declared_packages() == on_disk | {'jaxspec.gin', 'jaxspec.configs'}
 
 
-@pytest.fixture(scope='module')
-def installed_wheel(tmp_path_factory):
-  """A wheel of the checkout installed into a fresh virtual environment (its
-  dependencies from the running environment): (venv python, wheel's file names)."""
-  root = tmp_path_factory.mktemp('wheel')
-  subprocess.run([sys.executable, '-m', 'pip', 'wheel', '-q', '--no-deps',
-                  '--no-build-isolation', '-w', str(root / 'dist'), str(REPO)], check=True)
-  [wheel] = (root / 'dist').glob('jaxspec-*.whl')
-  subprocess.run([sys.executable, '-m', 'venv', '--system-site-packages', str(root / 'venv')],
-                 check=True)
-  python = root / 'venv' / 'bin' / 'python'
-  subprocess.run([python, '-m', 'pip', 'install', '-q', '--no-deps', '--no-index', str(wheel)],
-                 check=True)
-  with zipfile.ZipFile(wheel) as archive:
-    names = set(archive.namelist())
-  return python, names
-
-
 def test_the_wheel_carries_every_file_the_kernel_build_reads_and_the_gin_files(
     installed_wheel):
   _, names = installed_wheel
@@ -121,7 +104,7 @@ def test_installed_launcher_runs_from_another_directory_with_the_kernel(
   package, checkpoints and data from --checkpoint_dir / --data_dir, and the kernel
   built afresh from the installed sources (a cache of its own)."""
   python, _ = installed_wheel
-  env = dict(os.environ, JAXSPEC_KERNEL_CACHE=str(tmp_path / 'kernels'))
+  env = dict(venv_environment(python), JAXSPEC_KERNEL_CACHE=str(tmp_path / 'kernels'))
   where = subprocess.run([python, '-c', 'import jaxspec; print(jaxspec.__file__)'],
                          cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
   assert str(python.parents[1]) in where.stdout, where.stdout  # the venv's, not the checkout's
@@ -134,6 +117,25 @@ def test_installed_launcher_runs_from_another_directory_with_the_kernel(
   assert summary['matmul'].startswith('kernel ('), summary['matmul']
   assert summary['identical_outputs'] == summary['examples'] == 1
   assert list((tmp_path / 'kernels').iterdir())  # built from the wheel's sources
+
+
+def test_the_installed_command_away_from_a_checkout_ends_user_errors_with_one_line(
+    installed_wheel, tmp_path):
+  """jaxspec-infer from the wheel in a directory that is no checkout: the shipped data it
+  cannot find, and a bad setting, each one line naming the fix, exit status 2."""
+  python, _ = installed_wheel
+  env = {k: v for k, v in venv_environment(python).items()
+         if k not in ('JAXSPEC_DATA_DIR', 'JAXSPEC_CHECKPOINT_DIR')}
+  for flags, expected in (
+      ([], r'^jaxspec-infer: error: the shipped data not found: looked for \S+/data/vocab/'
+           r"spm.model \(the working directory\); .* point --data_dir or \$JAXSPEC_DATA_DIR "
+           r"at a checkout's data/\.$"),
+      (['--gin.GAMMA=-1'], r'^jaxspec-infer: error: gamma must be >= 1, got -1$')):
+    result = subprocess.run([python.parent / 'jaxspec-infer', *flags], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert 'Traceback' not in result.stderr, result.stderr
+    assert re.search(expected, result.stderr.strip().splitlines()[-1]), result.stderr
 
 
 def test_every_console_entry_point_and_script_wrapper_reaches_a_launcher():

@@ -53,6 +53,7 @@ import numpy as np
 import tensorstore as ts
 
 from jaxspec import paths
+from jaxspec.errors import MissingFile
 from jaxspec.checkpoints.validate import check_params
 from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.config import T5Config
@@ -307,8 +308,10 @@ def find_t5x_checkpoint(path) -> CheckpointLocation:
   file of any name (as T5X accepts; its TensorStore arrays are read beside it), an Orbax
   PyTree directory, or a parent of checkpoint_<step> directories (the largest step
   holding a checkpoint wins). A relative path that does not exist from the working
-  directory is looked up in the shipped checkpoints directory (jaxspec.paths:
-  $JAXSPEC_CHECKPOINT_DIR). Raises FileNotFoundError naming what was looked for.
+  directory is looked up in the shipped checkpoints directories (jaxspec.paths:
+  $JAXSPEC_CHECKPOINT_DIR, else the working directory's checkpoints/ and the package
+  checkout's). Raises jaxspec.errors.MissingFile (a FileNotFoundError) naming what was
+  looked for.
   """
   path = paths.resolve_checkpoint(os.fspath(path))
   if _is_gcs(path):
@@ -316,10 +319,10 @@ def find_t5x_checkpoint(path) -> CheckpointLocation:
   if os.path.isfile(path):
     return CheckpointLocation(os.path.dirname(path) or '.', 'legacy', path)
   if not os.path.isdir(path):
-    raise FileNotFoundError(f'no checkpoint directory at {path}')
+    raise MissingFile(f'no checkpoint directory at {path}')
   location = _local_location(path) or _latest_local_checkpoint(path)
   if location is None:
-    raise FileNotFoundError(
+    raise MissingFile(
         f'{path} is not a T5X checkpoint: it holds no `{_MSGPACK_FILE}` msgpack file '
         f'(legacy), no `{_ORBAX_ITEM}/{_ORBAX_METADATA}` or `{_ORBAX_METADATA}` (Orbax), '
         'and no checkpoint_<step> subdirectory with one of them')

@@ -9,6 +9,7 @@ import flax.traverse_util
 import numpy as np
 
 from jaxspec.config import T5Config
+from jaxspec.errors import InvalidSetting
 from jaxspec.model import abstract_params
 from jaxspec.model.layers import KERNEL_PARAM, KERNEL_T_PARAM
 
@@ -57,9 +58,9 @@ def check_params(params: Mapping[str, Any], config: T5Config,
   for path in sorted(set(actual) | set(expected)):
     origin = f' (from {sources[path]!r})' if path in sources else ''
     if path not in actual:
-      raise ValueError(f'params: missing {path!r} (expected shape {expected[path]})')
+      raise InvalidSetting(f'params: missing {path!r} (expected shape {expected[path]})')
     if path not in expected:
-      raise ValueError(f'params: unexpected {path!r}{origin} of shape {actual[path]}')
+      raise InvalidSetting(f'params: unexpected {path!r}{origin} of shape {actual[path]}')
     if actual[path] != expected[path]:
-      raise ValueError(f'params: {path!r}{origin} has shape {actual[path]}, '
-                       f'the config expects {expected[path]}')
+      raise InvalidSetting(f'params: {path!r}{origin} has shape {actual[path]}, '
+                           f'the config expects {expected[path]}')

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 import sentencepiece
 
 from jaxspec import paths
+from jaxspec.errors import InvalidSetting
 from jaxspec.config import EOS_ID, PAD_ID, UNK_ID
 
 CORPORA = ('ende', 'docsum')
@@ -34,7 +35,8 @@ DATA_DIR_ENV = paths.DATA_DIR_ENV
 
 
 def default_data_dir() -> pathlib.Path:
-  """$JAXSPEC_DATA_DIR, else the checkout's `data/` (jaxspec.paths)."""
+  """$JAXSPEC_DATA_DIR, else the working directory's or the checkout's `data/`
+  (jaxspec.paths); raises jaxspec.errors.MissingFile, saying where it looked, without."""
   return paths.data_dir()
 
 
@@ -48,13 +50,16 @@ def read_jsonl_gz(path: str | os.PathLike) -> Iterator[dict]:
 def split_path(corpus: str, split: str, data_dir=None) -> pathlib.Path:
   """Path of `<data_dir>/<corpus>/<split>.jsonl.gz`."""
   if corpus not in CORPORA or split not in SPLITS:
-    raise ValueError(f'unknown corpus/split {corpus!r}/{split!r}')
+    raise InvalidSetting(f'unknown corpus/split {corpus!r}/{split!r}')
   return pathlib.Path(data_dir or default_data_dir()) / corpus / f'{split}.jsonl.gz'
 
 
 def load_split(corpus: str, split: str, data_dir=None) -> list[dict]:
   """All examples of one split, in file order."""
-  return list(read_jsonl_gz(split_path(corpus, split, data_dir)))
+  path = split_path(corpus, split, data_dir)
+  if data_dir is None:  # The shipped file: a missing one says where it was looked for.
+    path = paths.data_file(corpus, path.name)
+  return list(read_jsonl_gz(path))
 
 
 class Vocabulary:
@@ -65,7 +70,7 @@ class Vocabulary:
   unk_id = UNK_ID
 
   def __init__(self, model_path=None):
-    model_path = model_path or default_data_dir() / 'vocab' / 'spm.model'
+    model_path = model_path or paths.data_file('vocab', 'spm.model')
     self._processor = sentencepiece.SentencePieceProcessor(model_file=str(model_path))
     assert self._processor.pad_id() == PAD_ID
     assert self._processor.eos_id() == EOS_ID

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+from jaxspec import paths
 from jaxspec.measure import metrics
 from jaxspec.data import corpora
 
@@ -90,7 +91,7 @@ def _bleu(targets, predictions):
 def local_vocabulary():
   """The shipped 8000-piece SentencePiece model as a seqio vocabulary (no extra ids)."""
   seqio = import_seqio()
-  path = corpora.default_data_dir() / 'vocab' / 'spm.model'
+  path = paths.data_file('vocab', 'spm.model')
   return seqio.SentencePieceVocabulary(str(path), extra_ids=0)
 
 

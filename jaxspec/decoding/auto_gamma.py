@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from jaxspec import machine
+from jaxspec.errors import InvalidSetting
 from jaxspec.decoding.beam_search import BeamOutput
 from jaxspec.decoding.common import DecodeOutput
 from jaxspec.decoding.speculative_beam import (SpeculativeBeamConfig, SpeculativeBeamOutput,
@@ -280,8 +281,8 @@ class _ChoosingDecoder:
   def __init__(self, gammas: Sequence[int], min_speedup: float):
     self.gammas = tuple(sorted(set(int(g) for g in gammas)))
     if not self.gammas or self.gammas[0] < 1:
-      raise ValueError(f'auto gammas must be integers >= 1 (0, the plain decoder, is always '
-                       f'a choice), got {tuple(gammas)!r}')
+      raise InvalidSetting(f'auto gammas must be integers >= 1 (0, the plain decoder, is always '
+                           f'a choice), got {tuple(gammas)!r}')
     self.min_speedup = min_speedup
     self.gamma_counts: dict[int, int] = {}
     self._next: int | None = None  # decided by ready() for the next call

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import validation
+from jaxspec.errors import InvalidSetting
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding.baseline import DecodingState
 from jaxspec.model import T5
@@ -62,7 +63,7 @@ class BeamConfig:
 
   def __post_init__(self):
     if self.num_beams < 1:
-      raise ValueError(f'num_beams must be >= 1, got {self.num_beams}')
+      raise InvalidSetting(f'num_beams must be >= 1, got {self.num_beams}')
 
 
 @flax.struct.dataclass

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jaxspec.decoding import verification
 from jaxspec.decoding.verification import block as block_verification
 from jaxspec import validation
+from jaxspec.errors import InvalidSetting
 from jaxspec.config import EOS_ID, OMIT_AT_DEFAULT, T5Config
 from jaxspec.decoding import common
 from jaxspec.decoding.verification import tree as multi_draft
@@ -102,15 +103,15 @@ class SpeculativeConfig:
   def __post_init__(self):
     validation.check_gamma_setting('jaxspec.SpeculativeConfig.gamma', self.gamma)
     if not 0.0 < self.lenience <= 1.0:
-      raise ValueError(f'lenience must be in (0, 1] (1 is exact), got {self.lenience}')
+      raise InvalidSetting(f'lenience must be in (0, 1] (1 is exact), got {self.lenience}')
     if self.verification not in verification.RULES:
-      raise ValueError(f'verification must be one of {VERIFICATIONS}, '
-                       f'got {self.verification!r}')
+      raise InvalidSetting(f'verification must be one of {VERIFICATIONS}, '
+                           f'got {self.verification!r}')
     if not 0.0 <= self.draft_confidence_threshold <= 1.0:
-      raise ValueError('draft_confidence_threshold must be in [0, 1] (0 always drafts '
-                       f'gamma), got {self.draft_confidence_threshold}')
+      raise InvalidSetting('draft_confidence_threshold must be in [0, 1] (0 always drafts '
+                           f'gamma), got {self.draft_confidence_threshold}')
     if self.num_drafts < 1:
-      raise ValueError(f'num_drafts must be >= 1 (1 is a single draft), got {self.num_drafts}')
+      raise InvalidSetting(f'num_drafts must be >= 1 (1 is a single draft), got {self.num_drafts}')
     lengths = self.verify_lengths
     if isinstance(lengths, list):  # as gin may write it; hashable for jit
       object.__setattr__(self, 'verify_lengths', lengths := tuple(lengths))
@@ -118,8 +119,8 @@ class SpeculativeConfig:
     if (not isinstance(lengths, tuple) or not all(type(k) is int for k in lengths)
         or any(not 2 <= k <= most for k in lengths)
         or any(a >= b for a, b in zip(lengths, lengths[1:]))):
-      raise ValueError(f'verify_lengths must be a tuple of increasing integers in [2, gamma '
-                       f'{self.gamma}] (positions of a shorter verify step), got {lengths!r}')
+      raise InvalidSetting(f'verify_lengths must be a tuple of increasing integers in [2, gamma '
+                           f'{self.gamma}] (positions of a shorter verify step), got {lengths!r}')
     self._check_rule(verification.RULES[self.verification])
     if self.num_drafts > 1:
       self._check_rule(verification.TREE_RULE)
@@ -134,11 +135,11 @@ class SpeculativeConfig:
     if not unsupported:
       return
     if rule is verification.TREE_RULE:
-      raise ValueError(f'num_drafts {self.num_drafts} (multi-draft verification) supports '
-                       'exact token-wise verification with a fixed gamma only; it cannot '
-                       f'be combined with {", ".join(unsupported)}')
-    raise ValueError(f"verification='{rule.name}' cannot be combined with "
-                     f'{", ".join(unsupported)}; what it takes: {rule.describe()}')
+      raise InvalidSetting(f'num_drafts {self.num_drafts} (multi-draft verification) supports '
+                           'exact token-wise verification with a fixed gamma only; it cannot '
+                           f'be combined with {", ".join(unsupported)}')
+    raise InvalidSetting(f"verification='{rule.name}' cannot be combined with "
+                         f'{", ".join(unsupported)}; what it takes: {rule.describe()}')
 
 
 @flax.struct.dataclass

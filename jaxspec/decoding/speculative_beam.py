@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import validation
+from jaxspec.errors import InvalidSetting
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.decoding import beam_search as bs
 from jaxspec.model import T5, DecoderCache, rollback
@@ -53,8 +54,8 @@ class SpeculativeBeamConfig:
   def __post_init__(self):
     validation.check_gamma_setting('jaxspec.SpeculativeBeamConfig.gamma', self.gamma)
     if self.draft_beams < 0:
-      raise ValueError(f'draft_beams must be >= 0 (0: twice the beams), got '
-                       f'{self.draft_beams}')
+      raise InvalidSetting(f'draft_beams must be >= 0 (0: twice the beams), got '
+                           f'{self.draft_beams}')
 
   def draft_width(self, num_beams: int) -> int:
     return self.draft_beams or 2 * num_beams

@@ -54,6 +54,7 @@ from jaxspec.config import CPU_MATMULS, CPU_MATMUL_XLA, get_config
 from jaxspec.decoding.drafters import Int8Drafter, SharedEncoderDrafterWithTarget, T5Drafter
 from jaxspec.measure import accelerator, step_costs
 from jaxspec.model.cpu import matmul as cpu_matmul_lib
+from jaxspec.launch import command
 
 PARTS = ('a', 'b', 'c', 'd', 'e')
 PART_NAMES = {'a': 'step_costs', 'b': 'loop_overhead', 'c': 'table2', 'd': 'end_to_end',
@@ -114,6 +115,7 @@ def _parse_args(argv):
                       "wide as their tokens) or a width; 'gamma' is gamma + 1, the width "
                       'that keeps greedy outputs identical (default)')
   parser.add_argument('--seed', type=int, default=0)
+  command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
   args.parts = [p for p in args.parts.split(',') if p]
   unknown = sorted(set(args.parts) - set(PARTS))
@@ -760,5 +762,8 @@ def main(argv=None):
   return record
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

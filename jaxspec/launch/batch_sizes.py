@@ -22,7 +22,7 @@ import sys
 import gin
 import jax
 
-from jaxspec.launch import bench_output, gin_flags
+from jaxspec.launch import bench_output, command, gin_flags
 from jaxspec.launch import infer as infer_script
 
 DEFAULT_GIN_FILE = infer_script.DEFAULT_GIN_FILE
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None):
                       default=[1, 2, 4, 8, 16, 32])
   parser.add_argument('--num_examples', type=int, default=256)
   bench_output.add_run_flags(parser, 'results/batch_sizes')
+  command.add_verbose_flag(parser)
   args, extra = parser.parse_known_args(argv)
   if any(not flag.startswith('--gin') for flag in extra):
     parser.error(f'unknown flags {extra}')
@@ -115,5 +116,8 @@ def main(argv: list[str] | None = None):
       extra_flags=extra, argv=argv)
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

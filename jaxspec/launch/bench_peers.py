@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import transformers
 
-from jaxspec.launch import gin_flags
+from jaxspec.launch import command, gin_flags
 import jaxspec.configurables  # noqa: F401  (registers T5Config with gin)
 from jaxspec import inference, machine
 from jaxspec.checkpoints.hf import save_hf_checkpoint
@@ -79,6 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument('--output_dir', default='results')
   parser.add_argument('--torch_threads', type=int, default=len(os.sched_getaffinity(0)),
                       help='torch.set_num_threads (default: the cores this process may use)')
+  command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
   args.draft = args.draft or list(DEFAULT_DRAFTS)
   return args
@@ -405,10 +406,8 @@ def main(argv: list[str] | None = None) -> dict:
   return results
 
 
-def cli() -> None:
-  """The console entry point (jaxspec-bench-peers): main without its return value."""
-  main()
+cli = command.entry_point(main)
 
 
 if __name__ == '__main__':
-  cli()
+  sys.exit(cli())

@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.launch import gin_flags
+from jaxspec.launch import command, gin_flags
 from jaxspec.launch import infer as infer_script
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
 from jaxspec.measure import analysis, benchmark as measure, metrics
-from jaxspec import inference, machine
+from jaxspec import errors, inference, machine
 from jaxspec.config import T5Config
 from jaxspec.data import corpora
 from jaxspec.decoding.baseline import generate
@@ -141,7 +141,8 @@ class Setup:
                        drafter_name):
     drafter = self.drafters[drafter_name]
     if not isinstance(drafter, T5Drafter):
-      raise ValueError(f'beam_drafter must name a T5 draft (t5 <name>), got {drafter_name!r}')
+      raise errors.InvalidSetting(
+          f'beam_drafter must name a T5 draft (t5 <name>), got {drafter_name!r}')
     return speculative_beam_generate(
         self.target_params, self.drafter_params[drafter_name], self.inputs[rows],
         target_config=self.target_model, draft_config=drafter.config, beam=beam, spec=spec,
@@ -547,13 +548,14 @@ def benchmark(*, task: str = gin.REQUIRED, target_model: T5Config = gin.REQUIRED
   draft) on the first beam_examples test examples (gin/decoding/beam.gin's macros).
   """
   if 'train' in alpha_splits:
-    raise ValueError('alpha_splits must be held out: the drafters were fitted on train')
+    raise errors.InvalidSetting('alpha_splits must be held out: the drafters were fitted on train')
   unknown = set(sections) - set(SECTIONS)
   if unknown:
-    raise ValueError(f'unknown sections {sorted(unknown)}; known: {SECTIONS}')
+    raise errors.InvalidSetting(f'unknown sections {sorted(unknown)}; known: {SECTIONS}')
   unknown = set(other_drafters) - set(OTHER_DRAFTERS)
   if unknown:
-    raise ValueError(f'unknown other_drafters {sorted(unknown)}; known: {tuple(OTHER_DRAFTERS)}')
+    raise errors.InvalidSetting(
+        f'unknown other_drafters {sorted(unknown)}; known: {tuple(OTHER_DRAFTERS)}')
   setup = Setup(task, target_model, target_checkpoint, t5_drafts, draft_checkpoints,
                 other_drafters, input_length, max_decode_length, tuple(alpha_splits),
                 shared_encoder_drafts)
@@ -608,9 +610,13 @@ def main(argv: list[str] | None = None):
   runs = gin_files and [gin_files] or [[f'--gin_file={f}'] for f in DEFAULT_GIN_FILES]
   for files in runs:
     gin.clear_config()
-    gin_flags.parse(files + rest)
+    gin_flags.parse(files + rest, description=__doc__.split('\n\n')[0],
+                    config_dirs=('benchmark',))
     benchmark()
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -13,8 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
+from jaxspec import errors
 from jaxspec.checkpoints.t5x import checkpoint_steps
+from jaxspec.launch import command
 
 
 def best_step(run_dir: str, metric: str, mode: str) -> int:
@@ -22,7 +25,7 @@ def best_step(run_dir: str, metric: str, mode: str) -> int:
   equal scores the latest."""
   steps = checkpoint_steps(run_dir)
   if not steps:
-    raise FileNotFoundError(f'{run_dir} holds no checkpoint_<step> directory')
+    raise errors.MissingFile(f'{run_dir} holds no checkpoint_<step> directory')
   log_file = os.path.join(run_dir, 'train_log.jsonl')
   scores = {}
   if os.path.exists(log_file):
@@ -42,10 +45,14 @@ def main():
   parser.add_argument('run_dir')
   parser.add_argument('--metric', default='validation_xent')
   parser.add_argument('--mode', choices=('min', 'max'), default='min')
+  command.add_verbose_flag(parser)
   args = parser.parse_args()
   step = best_step(args.run_dir, args.metric, args.mode)
   print(os.path.join(args.run_dir, f'checkpoint_{step}'))
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -31,6 +31,8 @@ import sysconfig
 import textwrap
 import time
 
+from jaxspec.launch import command
+
 LOCALE_GLOB = '/usr/share/locale/de*/LC_MESSAGES/*.mo'
 DEBCONF_TEMPLATES = '/var/cache/debconf/templates.dat'
 MAX_PAIR_CHARS = 400
@@ -391,6 +393,7 @@ def main(argv=None):
                       help="debconf templates.dat ('' to skip)")
   parser.add_argument('--stdlib', default=sysconfig.get_paths()['stdlib'])
   parser.add_argument('--corpora', nargs='+', default=['ende', 'docsum'])
+  command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
   builders = {'ende': lambda: build_ende(args.locale_glob, args.debconf),
               'docsum': lambda: build_docsum(args.stdlib)}
@@ -403,5 +406,8 @@ def main(argv=None):
   print()
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxspec.measure import cost_model
 from jaxspec import inference
+from jaxspec.launch import command
 
 
 def _parse_args(argv):
@@ -42,6 +43,7 @@ def _parse_args(argv):
   parser.add_argument('--call_costs', default='1',
                       help="iterations' cost a target call, as fractions of the run's")
   parser.add_argument('--out', default='', help='directory for the outputs (--run_dir)')
+  command.add_verbose_flag(parser)
   return parser.parse_args(argv)
 
 
@@ -160,5 +162,8 @@ def main(argv=None):
   sys.stdout.write(text)
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 
+from jaxspec import errors
 from jaxspec.checkpoints import t5x as t5x_checkpoints
+from jaxspec.launch import command
 
 
 def checkpoint_directory(run_dir: str, step: int | None) -> tuple[str, int]:
@@ -27,7 +30,7 @@ def checkpoint_directory(run_dir: str, step: int | None) -> tuple[str, int]:
     return directory, t5x_checkpoints.checkpoint_step(directory)
   steps = t5x_checkpoints.checkpoint_steps(run_dir)
   if step not in steps:
-    raise FileNotFoundError(f'{run_dir} has no checkpoint_{step}; its steps: {steps}')
+    raise errors.MissingFile(f'{run_dir} has no checkpoint_{step}; its steps: {steps}')
   return os.path.join(run_dir, f'checkpoint_{step}'), step
 
 
@@ -38,6 +41,7 @@ def main(argv=None):
   parser.add_argument('--dtype', default='bfloat16')
   parser.add_argument('--step', type=int, default=None,
                       help='the checkpoint_<step> to export (default: the latest)')
+  command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
   directory, step = checkpoint_directory(args.run_dir, args.step)
   params = t5x_checkpoints.load_t5x_checkpoint(directory)
@@ -47,5 +51,8 @@ def main(argv=None):
   print(f'exported step {step} of {args.run_dir} to {path} ({args.dtype})')
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

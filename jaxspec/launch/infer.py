@@ -14,8 +14,12 @@ and speculative beam search.
   python scripts/infer.py --gin_file=configs/infer/ende54m_beam.gin \
       --gin.NUM_BEAMS=4 --gin.DRAFT_BEAMS=8       # beam and speculative beam search
 
-T5X-style flags (--gin_file, --gin.NAME=VALUE, --gin_bindings, --gin_search_paths).
-Every setting is checked before anything is loaded. Writes <output_dir>/<decoder>.jsonl
+T5X-style flags (--gin_file, --gin.NAME=VALUE, --gin_bindings, --gin_search_paths);
+--help lists the main settings with the config's values, --list_configs the shipped
+configs. Every setting is checked before anything is loaded; a user error ends the
+command with one line (jaxspec.launch.command). Each --gin.NAME=VALUE that changes the
+records adds _name=value to the config's output_dir (output_dir_suffix), so runs of
+other settings write apart. Writes <output_dir>/<decoder>.jsonl
 (one record per example: inputs, targets, prediction, per-example stats; the beam
 decoders add the best beam's score and every beam's tokens and score) under an
 exclusive lock, with the settings that produced them (settings.json); resumes after
@@ -33,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 from typing import NamedTuple, Sequence
 
@@ -44,10 +49,10 @@ import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
 
-from jaxspec.launch import gin_flags
+from jaxspec.launch import command, gin_flags
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses and drafters with gin)
 from jaxspec.measure import benchmark as measure, decode_view, metrics
-from jaxspec import inference, validation
+from jaxspec import errors, inference, validation
 from jaxspec import partitioning as partitioning_lib
 from jaxspec.config import EOS_ID, T5Config
 from jaxspec.data import corpora, seqio_tasks  # seqio_tasks imports seqio lazily
@@ -244,8 +249,9 @@ def auto_gamma_decoder(decode_baseline, decode_speculative, speculative, *, batc
   """An AutoGammaDecoder for the run: its calibration from the cache where there is one,
   else measured on `calibration_batches` (spread over the run's batches) and cached."""
   if jax.process_count() > 1:
-    raise ValueError("gamma='auto' times decodes on each host and would choose apart; "
-                     'set jaxspec.SpeculativeConfig.gamma to an integer for multi-host runs')
+    raise errors.InvalidSetting(
+        "gamma='auto' times decodes on each host and would choose apart; set "
+        'jaxspec.SpeculativeConfig.gamma to an integer for multi-host runs')
   auto = auto_gamma.AutoGammaDecoder(
       decode_baseline, decode_speculative, speculative, batch_size=batch_size, gammas=gammas,
       key=key, cache=auto_gamma.GammaCostCache(calibration_dir))
@@ -769,41 +775,45 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
   padded. 'on' sets it wherever speculation runs, 'off' never; a decode_positions bound
   in the target's config is kept either way.
   """
-  checked_speculative = _checked_speculative(speculative, auto_gammas)
-  check_settings(
-      target_model=target_model, drafter=drafter, decoders=decoders, batch_size=batch_size,
-      num_examples=num_examples, input_length=input_length,
-      input_length_buckets=input_length_buckets,
-      max_decode_length=max_decode_length, sampling=sampling, speculative=checked_speculative,
-      seed=seed, overlong_inputs=overlong_inputs, on_settings_change=on_settings_change,
-      corpus=corpus, split=split, seqio_task=seqio_task, input_file=input_file,
-      input_field=input_field, beam=beam, speculative_beam=speculative_beam,
-      partitioning=partitioning)
-  validation.check_integer('view_examples', view_examples, 0)
-  if not isinstance(interleave, bool):
-    raise ValueError(f'infer.interleave must be True or False, got {interleave!r}')
+  # What the user asked for is checked, read and claimed before any model loads; what
+  # goes wrong there is the user's to fix (one line from the command, jaxspec.errors).
+  with errors.user_input():
+    checked_speculative = _checked_speculative(speculative, auto_gammas)
+    check_settings(
+        target_model=target_model, drafter=drafter, decoders=decoders, batch_size=batch_size,
+        num_examples=num_examples, input_length=input_length,
+        input_length_buckets=input_length_buckets,
+        max_decode_length=max_decode_length, sampling=sampling, speculative=checked_speculative,
+        seed=seed, overlong_inputs=overlong_inputs, on_settings_change=on_settings_change,
+        corpus=corpus, split=split, seqio_task=seqio_task, input_file=input_file,
+        input_field=input_field, beam=beam, speculative_beam=speculative_beam,
+        partitioning=partitioning)
+    validation.check_integer('view_examples', view_examples, 0)
+    if not isinstance(interleave, bool):
+      raise ValueError(f'infer.interleave must be True or False, got {interleave!r}')
   # Multi-host initialization must come before anything touches a device.
   partitioner = partitioning_lib.create_partitioner(partitioning) if partitioning else None
-  target_model = with_fixed_width_steps(target_model, fixed_width_steps, decoders,
-                                        checked_speculative, speculative_beam)
-  check_memory(target_model, drafter, decoders, batch_size, input_length, max_decode_length,
-               checked_speculative, partitioner, beam, speculative_beam)
-  if input_file is None:
-    task = load_task(corpus, seqio_task, split, num_examples, tfds_data_dir)
-  else:
-    task = load_own_text(input_file, input_field, corpus, num_examples)
-    output_dir = os.path.join(output_dir, f"inputs-{task.identity['input_file']}")
-  inputs = encode_inputs(task.input_ids, input_length, overlong_inputs)
-  settings = run_settings(
-      target_model=target_model, target_checkpoint=target_checkpoint, drafter=drafter,
-      draft_checkpoint=draft_checkpoint, task=task, input_length=input_length,
-      input_length_buckets=input_length_buckets,
-      max_decode_length=max_decode_length, batch_size=batch_size, sampling=sampling,
-      speculative=speculative, seed=seed, overlong_inputs=overlong_inputs, decoders=decoders,
-      beam=beam, speculative_beam=speculative_beam,
-      auto_gammas=auto_gammas if speculative.gamma == AUTO else None)
-  fingerprint = inference.settings_fingerprint(settings)
-  output_dir, lock = claim_output_dir(output_dir, settings, on_settings_change, partitioner)
+  with errors.user_input():
+    target_model = with_fixed_width_steps(target_model, fixed_width_steps, decoders,
+                                          checked_speculative, speculative_beam)
+    check_memory(target_model, drafter, decoders, batch_size, input_length,
+                 max_decode_length, checked_speculative, partitioner, beam, speculative_beam)
+    if input_file is None:
+      task = load_task(corpus, seqio_task, split, num_examples, tfds_data_dir)
+    else:
+      task = load_own_text(input_file, input_field, corpus, num_examples)
+      output_dir = os.path.join(output_dir, f"inputs-{task.identity['input_file']}")
+    inputs = encode_inputs(task.input_ids, input_length, overlong_inputs)
+    settings = run_settings(
+        target_model=target_model, target_checkpoint=target_checkpoint, drafter=drafter,
+        draft_checkpoint=draft_checkpoint, task=task, input_length=input_length,
+        input_length_buckets=input_length_buckets,
+        max_decode_length=max_decode_length, batch_size=batch_size, sampling=sampling,
+        speculative=speculative, seed=seed, overlong_inputs=overlong_inputs,
+        decoders=decoders, beam=beam, speculative_beam=speculative_beam,
+        auto_gammas=auto_gammas if speculative.gamma == AUTO else None)
+    fingerprint = inference.settings_fingerprint(settings)
+    output_dir, lock = claim_output_dir(output_dir, settings, on_settings_change, partitioner)
   try:
     return _decode_and_summarize(
         task=task, inputs=inputs, output_dir=output_dir, fingerprint=fingerprint,
@@ -961,14 +971,99 @@ def _add_input_flags(parser):
                       help='with --input_file: read JSON lines and decode this field')
 
 
+# What --help lists, with the values of the config the command would run.
+SETTINGS = (
+    gin_flags.Setting('TEMPERATURE', 'sampling temperature; 0 is greedy'),
+    gin_flags.Setting('TOP_K', 'sample among the k likeliest; 0: all'),
+    gin_flags.Setting('TOP_P', 'sample within this top mass; 1.0: all'),
+    gin_flags.Setting('GAMMA', "drafts per target call; 'auto': measured"),
+    gin_flags.Setting('VERIFICATION', "'token', 'block' or 'coupled'"),
+    gin_flags.Setting('LENIENCE', 'below 1.0 accepts more, changes outputs'),
+    gin_flags.Setting('NUM_BEAMS', 'beams of the beam decoders'),
+    gin_flags.Setting('BEAM_GAMMA', "draft steps per target call ('beam')"),
+    gin_flags.Setting('infer.drafter', 'what proposes the drafts'),
+    gin_flags.Setting('infer.target_checkpoint', "the target's T5X checkpoint"),
+    gin_flags.Setting('infer.draft_checkpoint', "a T5 draft's checkpoint"),
+    gin_flags.Setting('infer.decoders', "also 'beam', 'speculative_beam'"),
+    gin_flags.Setting('infer.corpus', "the shipped task: 'ende' or 'docsum'"),
+    gin_flags.Setting('infer.split', "'train', 'validation' or 'test'"),
+    gin_flags.Setting('infer.num_examples', 'the first N examples (None: all)'),
+    gin_flags.Setting('infer.batch_size', 'examples decoded together'),
+    gin_flags.Setting('infer.max_decode_length', 'most tokens an output takes'),
+    gin_flags.Setting('infer.seed', "sampling's PRNG seed"),
+    gin_flags.Setting('infer.output_dir', 'records; --gin flags add a suffix'),
+    gin_flags.Setting('infer.on_settings_change', "'new_dir': other settings write beside"),
+)
+CONFIG_DIRS = ('infer', 'table2')  # configs/<dir>/*.gin: what --list_configs lists
+
+# infer's parameters that change no record (the examples asked for, where and how the
+# run writes and times them): bound by a flag, they keep the default output directory.
+RUN_ONLY_PARAMETERS = ('num_examples', 'output_dir', 'interleave', 'view_examples',
+                       'on_settings_change', 'calibration_dir', 'partitioning',
+                       'tfds_data_dir')
+_BINDING = re.compile(r'\s*([A-Za-z_][\w./]*)\s*=\s*(.*?)\s*$')
+_SUFFIX_LENGTH = 80
+
+
+def output_dir_suffix(bindings: Sequence[str]) -> str:
+  """What the flags' bindings (--gin.NAME=VALUE) add to the config's output_dir, so that
+  runs of other settings write apart and a rerun of the same command resumes: each
+  binding but those of RUN_ONLY_PARAMETERS as _name=value, sorted by name (macros in
+  lower case, infer.'s parameters without it, values cut to their letters, digits and
+  . + - _). '' when none is left; hashed past _SUFFIX_LENGTH characters.
+
+  --gin.TEMPERATURE=1.0 --gin.infer.num_examples=3 -> '_temperature=1.0'.
+  """
+  named = {}
+  for binding in bindings:
+    for line in binding.splitlines():
+      if match := _BINDING.match(line):
+        named[match.group(1)] = match.group(2)  # Later bindings win, as in gin.
+  parts = []
+  for name, value in sorted(named.items()):
+    parameter = name.removeprefix('infer.')
+    if parameter in RUN_ONLY_PARAMETERS:
+      continue
+    shown = parameter.lower() if parameter.isupper() else parameter.replace('/', '.')
+    words = re.findall(r'[\w.+-]+', value)  # ('speculative',) -> speculative
+    parts.append(f"_{shown}={'-'.join(words) or 'none'}")
+  suffix = ''.join(parts)
+  if len(suffix) > _SUFFIX_LENGTH:
+    digest = hashlib.sha256(suffix.encode()).hexdigest()[:8]
+    suffix = f'{suffix[:_SUFFIX_LENGTH - 9]}-{digest}'
+  return suffix
+
+
+def flagged_output_dir(bindings: Sequence[str]) -> dict:
+  """{'output_dir': the config's infer.output_dir + output_dir_suffix(bindings)} where
+  the flags do not name an output_dir and change a setting; else {}."""
+  if any(match.group(1) == 'infer.output_dir' for binding in bindings
+         for line in binding.splitlines() if (match := _BINDING.match(line))):
+    return {}
+  suffix = output_dir_suffix(bindings)
+  try:
+    configured = gin.query_parameter('infer.output_dir')
+  except ValueError:  # Unset: infer() names it.
+    return {}
+  if not suffix or not isinstance(configured, str):
+    return {}
+  return {'output_dir': configured.rstrip('/') + suffix}
+
+
 def main(argv: list[str] | None = None):
+  """jaxspec-infer: the flags, then infer() (configs/infer/ende54m_int8.gin by default)."""
   argv = sys.argv[1:] if argv is None else argv
   if not any(a.startswith('--gin_file') for a in argv):
     argv = [f'--gin_file={DEFAULT_GIN_FILE}'] + list(argv)
-  args = gin_flags.parse(argv, add_flags=_add_input_flags)
+  args = gin_flags.parse(argv, description=__doc__.split('\n\n')[0],
+                         add_flags=_add_input_flags, settings=SETTINGS, config_dirs=CONFIG_DIRS)
   own_text = {'input_file': args.input_file, 'input_field': args.input_field}
-  infer(**{k: v for k, v in own_text.items() if v is not None})
+  infer(**{k: v for k, v in own_text.items() if v is not None},
+        **flagged_output_dir(args.gin_bindings))
+
+
+cli = command.entry_point(main)
 
 
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

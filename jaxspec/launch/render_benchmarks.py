@@ -16,6 +16,7 @@ import os
 import sys
 
 from jaxspec.measure import report
+from jaxspec.launch import command
 
 
 def main(argv=None):
@@ -25,6 +26,7 @@ def main(argv=None):
                       help='the markdown file (default docs/benchmarks.md)')
   parser.add_argument('--check', action='store_true',
                       help='write nothing; exit 1 if --out differs from what would be written')
+  command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
   if not os.path.isdir(args.results_dir):
     raise SystemExit(f'{args.results_dir} is not a directory (--results_dir)')
@@ -47,5 +49,8 @@ def main(argv=None):
   print(f'wrote {args.out}')
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -19,11 +19,12 @@ import sys
 import jax
 
 from jaxspec.measure import decode_view
-from jaxspec import inference, pairs
+from jaxspec import errors, inference, pairs
 from jaxspec.config import EOS_ID
 from jaxspec.data import corpora
 from jaxspec.decoding.speculative import VERIFICATIONS, SpeculativeConfig, speculative_generate
 from jaxspec.sampling import SamplingConfig
+from jaxspec.launch import command
 
 
 def parse_args(argv):
@@ -41,6 +42,7 @@ def parse_args(argv):
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--html', default=None,
                       help='where to write the page (default results/views/PAIR_INDEX.html)')
+  command.add_verbose_flag(parser)
   return parser.parse_args(argv)
 
 
@@ -50,8 +52,8 @@ def show(args) -> tuple[str, str, str]:
   if args.text is None:
     examples = corpora.load_split(pair.task, args.split)
     if not 0 <= args.index < len(examples):
-      raise ValueError(f'--index must be in [0, {len(examples)}) for {pair.task} '
-                       f'{args.split}, got {args.index}')
+      raise errors.InvalidSetting(f'--index must be in [0, {len(examples)}) for {pair.task} '
+                                  f'{args.split}, got {args.index}')
     text, name = examples[args.index]['inputs'], f'{args.split} example {args.index}'
   else:
     text, name = args.text, 'your text'
@@ -80,5 +82,8 @@ def main(argv: list[str] | None = None):
   print(f'HTML: {path}')
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -26,9 +26,9 @@ import gin
 import jax
 import numpy as np
 
-from jaxspec.launch import gin_flags
+from jaxspec.launch import command, gin_flags
 from jaxspec.launch import infer as infer_script
-from jaxspec import inference
+from jaxspec import errors, inference
 from jaxspec.config import T5Config
 from jaxspec.data import corpora
 from jaxspec.decoding.baseline import generate
@@ -121,8 +121,8 @@ def soak(*, target_model: T5Config = gin.REQUIRED, drafter=gin.REQUIRED,
   warmup_batches = 2 * len(batch_sizes) if warmup_batches is None else warmup_batches
   batches = batch_plan(num_examples, batch_sizes)
   if len(batches) <= warmup_batches:
-    raise ValueError(f'{len(batches)} batches do not outlast the {warmup_batches} warm-up '
-                     'batches; raise soak.num_examples')
+    raise errors.InvalidSetting(f'{len(batches)} batches do not outlast the {warmup_batches} '
+                                'warm-up batches; raise soak.num_examples')
   vocab = corpora.Vocabulary()
   examples = corpora.load_split(corpus, split)
   inputs, truncated = inference.fit_inputs(
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if not any(a.startswith('--gin_file') for a in argv):
     argv = [f'--gin_file={DEFAULT_GIN_FILE}'] + list(argv)
-  gin_flags.parse(argv)
+  gin_flags.parse(argv, description=__doc__.split('\n\n')[0], config_dirs=('soak',))
   report = soak()
   print(json.dumps(report, indent=2))
   for failure in report['failures']:
@@ -187,5 +187,8 @@ def main(argv: list[str] | None = None) -> int:
   return 1 if report['failures'] else 0
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  sys.exit(main())
+  sys.exit(cli())

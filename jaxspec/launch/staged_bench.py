@@ -32,7 +32,7 @@ from jaxspec.decoding.baseline import generate
 from jaxspec.decoding import speculative
 from jaxspec.decoding.drafters import DraftContext, Int8Drafter, StagedDrafter, T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.launch import bench_output
+from jaxspec.launch import bench_output, command
 from jaxspec.measure.benchmark import time_side_by_side
 from jaxspec.model import T5, rollback
 from jaxspec.sampling import SamplingConfig
@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None):
   parser.add_argument('--lookaheads', type=bench_output.int_list, default=[1, 2, 3])
   parser.add_argument('--repeats', type=int, default=2)
   bench_output.add_run_flags(parser, 'results/staged')
+  command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
   name = args.name or bench_output.machine_name()
   run(num_examples=args.num_examples, gamma=args.gamma, lookaheads=args.lookaheads,
@@ -269,5 +270,8 @@ def main(argv: list[str] | None = None):
       name=name, argv=argv)
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 
 
 import jax
@@ -33,6 +34,7 @@ from jaxspec.config import get_config
 from jaxspec.decoding.drafters.t5 import T5Drafter
 from jaxspec.model import init_params
 from jaxspec.sampling import SamplingConfig
+from jaxspec.launch import command
 
 VARIANTS = tuple(step_costs.VARIANTS)
 
@@ -53,6 +55,7 @@ def _parse_args(argv):
                       help='decoder positions already in the cache when a step runs')
   parser.add_argument('--cache_length', type=int, default=defaults.cache_length)
   parser.add_argument('--out', default='results/step_costs')
+  command.add_verbose_flag(parser)
   return parser.parse_args(argv)
 
 
@@ -206,5 +209,8 @@ def main(argv=None):
   print(markdown(results))
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.launch import gin_flags
+from jaxspec import errors
+from jaxspec.launch import command, gin_flags
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
 from jaxspec.checkpoints import t5x as t5x_checkpoints
 from jaxspec.config import T5Config
@@ -159,16 +160,16 @@ def _append_log(checkpoint_dir: str, record: dict):
 def _check_distillation_setup(teacher_params, divergence, data_mix, sequence_kd,
                               dropout_rate: float = 0.0):
   if divergence is not None and dropout_rate > 0:
-    raise ValueError(f'the model has dropout_rate {dropout_rate}, but train.divergence '
-                     'steps (jaxspec.training.distillation) run it without dropout: set its '
-                     'dropout_rate to 0')
+    raise errors.InvalidSetting(
+        f'the model has dropout_rate {dropout_rate}, but train.divergence steps '
+        '(jaxspec.training.distillation) run it without dropout: set its dropout_rate to 0')
   if teacher_params is None and (divergence is not None or sequence_kd):
     wanted = 'train.divergence' if divergence is not None else 'train.sequence_kd'
-    raise ValueError(f'{wanted} needs a teacher: set train.teacher_model and '
-                     'train.teacher_checkpoint')
+    raise errors.InvalidSetting(f'{wanted} needs a teacher: set train.teacher_model and '
+                                'train.teacher_checkpoint')
   if divergence is None and not data_mix.references_only:
-    raise ValueError('train.data_mix decodes targets for distillation: set '
-                     'train.divergence too (e.g. @jaxspec.DivergenceConfig())')
+    raise errors.InvalidSetting('train.data_mix decodes targets for distillation: set '
+                                'train.divergence too (e.g. @jaxspec.DivergenceConfig())')
 
 
 @gin.configurable
@@ -204,10 +205,11 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
     f.write(gin.operative_config_str())
   vocab = corpora.Vocabulary()
   if vocab.vocab_size > model.vocab_size:
-    raise ValueError(f'the vocabulary has {vocab.vocab_size} pieces but the model only '
-                     f'{model.vocab_size} embeddings')
+    raise errors.InvalidSetting(f'the vocabulary has {vocab.vocab_size} pieces but the model only '
+                                f'{model.vocab_size} embeddings')
   if alpha_split == 'train':
-    raise ValueError("alpha_split must be held out ('validation' or 'test'), not 'train'")
+    raise errors.InvalidSetting(
+        "alpha_split must be held out ('validation' or 'test'), not 'train'")
 
   teacher_params = None
   if teacher_checkpoint:
@@ -312,9 +314,12 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
 
 def main(argv: list[str] | None = None):
   argv = sys.argv[1:] if argv is None else argv
-  gin_flags.parse(argv)
+  gin_flags.parse(argv, description=__doc__.split('\n\n')[0], config_dirs=('train',))
   train()
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -25,7 +25,7 @@ import gin
 import jax
 import numpy as np
 
-from jaxspec.launch import gin_flags
+from jaxspec.launch import command, gin_flags
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
 from jaxspec.launch import train as train_script
 from jaxspec.training import core as training, distillation, feature_draft as feature_training
@@ -140,9 +140,12 @@ def train_feature_draft(
 
 def main(argv: list[str] | None = None):
   argv = sys.argv[1:] if argv is None else argv
-  gin_flags.parse(argv)
+  gin_flags.parse(argv, description=__doc__.split('\n\n')[0], config_dirs=('train',))
   train_feature_draft()
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

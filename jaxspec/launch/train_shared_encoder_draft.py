@@ -22,12 +22,12 @@ import flax.serialization
 import gin
 import jax
 
-from jaxspec.launch import gin_flags
+from jaxspec.launch import command, gin_flags
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
 from jaxspec.launch import train as train_script
 from jaxspec.training import (distillation, shared_encoder as shared_encoder_training,
                               core as training)
-from jaxspec import inference
+from jaxspec import errors, inference
 from jaxspec.checkpoints import shared_encoder_draft as draft_checkpoints
 from jaxspec.config import T5Config
 from jaxspec.data import corpora
@@ -81,20 +81,21 @@ def train_shared_encoder_draft(
   """
   encoder_dim = target_model.emb_dim if encoder_dim is None else encoder_dim
   if data_mix.draft_samples > 0:
-    raise ValueError('data_mix.draft_samples: an encoder-sharing draft is not decoded '
-                     'stand-alone here; use references, target_samples or target_greedy')
+    raise errors.InvalidSetting('data_mix.draft_samples: an encoder-sharing draft is not decoded '
+                                'stand-alone here; use references, target_samples or target_greedy')
   if not 0.0 <= input_noise < 1.0:
-    raise ValueError(f'input_noise must be in [0, 1), got {input_noise}')
+    raise errors.InvalidSetting(f'input_noise must be in [0, 1), got {input_noise}')
   if encoder_dim != target_model.emb_dim:
-    raise ValueError(f'encoder_dim {encoder_dim} differs from the target emb_dim '
-                     f'{target_model.emb_dim}: the draft reads the target encoder output')
+    raise errors.InvalidSetting(
+        f'encoder_dim {encoder_dim} differs from the target emb_dim {target_model.emb_dim}: '
+        'the draft reads the target encoder output')
   os.makedirs(checkpoint_dir, exist_ok=True)
   with open(os.path.join(checkpoint_dir, 'config.gin'), 'w') as f:
     f.write(gin.operative_config_str())
   vocab = corpora.Vocabulary()
   if vocab.vocab_size > model.vocab_size:
-    raise ValueError(f'the vocabulary has {vocab.vocab_size} pieces but the draft only '
-                     f'{model.vocab_size} embeddings')
+    raise errors.InvalidSetting(f'the vocabulary has {vocab.vocab_size} pieces but the draft only '
+                                f'{model.vocab_size} embeddings')
   train_pairs = train_script._encoded_pairs(corpus, 'train', vocab, input_length,
                                             target_length, max_train_examples)
   eval_pairs = train_script._encoded_pairs(corpus, 'validation', vocab, input_length,
@@ -109,10 +110,11 @@ def train_shared_encoder_draft(
       batch_size, seed, 0, length_quantum)
 
   if init_from_target_decoder and init_from_target_layers:
-    raise ValueError('set init_from_target_decoder or init_from_target_layers, not both')
+    raise errors.InvalidSetting('set init_from_target_decoder or init_from_target_layers, not both')
   if init_from_target_layers and len(init_from_target_layers) != model.num_decoder_layers:
-    raise ValueError(f'init_from_target_layers names {len(init_from_target_layers)} layers; '
-                     f'the draft has num_decoder_layers={model.num_decoder_layers}')
+    raise errors.InvalidSetting(
+        f'init_from_target_layers names {len(init_from_target_layers)} layers; the draft has '
+        f'num_decoder_layers={model.num_decoder_layers}')
   if init_from_target_decoder or init_from_target_layers:
     params = shared_encoder_draft.from_target_decoder(
         target_params,
@@ -182,9 +184,12 @@ def train_shared_encoder_draft(
 
 def main(argv: list[str] | None = None):
   argv = sys.argv[1:] if argv is None else argv
-  gin_flags.parse(argv)
+  gin_flags.parse(argv, description=__doc__.split('\n\n')[0], config_dirs=('train',))
   train_shared_encoder_draft()
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

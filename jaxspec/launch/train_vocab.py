@@ -25,6 +25,7 @@ import sentencepiece
 
 from jaxspec.config import EOS_ID, PAD_ID, UNK_ID  # pylint: disable=wrong-import-position
 from jaxspec.data import corpora  # pylint: disable=wrong-import-position
+from jaxspec.launch import command
 
 SEED = 0
 
@@ -95,6 +96,7 @@ def main(argv=None):
   parser.add_argument('--data', default='data/', help='corpora directory')
   parser.add_argument('--out', default=None, help='model path (default <data>/vocab/spm.model)')
   parser.add_argument('--vocab-size', type=int, default=8000)
+  command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
   model_path = args.out or os.path.join(args.data, 'vocab', 'spm.model')
   start = time.time()
@@ -109,5 +111,8 @@ def main(argv=None):
   print()
 
 
+cli = command.entry_point(main)
+
+
 if __name__ == '__main__':
-  main()
+  sys.exit(cli())

@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.sampling import SamplingConfig, argmax, sample_probs
+from jaxspec.errors import InvalidSetting
 
 
 @flax.struct.dataclass
@@ -127,7 +128,7 @@ class DraftSources:
 
   def require_checkpoint(self, what: str) -> str:
     if not self.checkpoint:
-      raise ValueError(f'{what} needs {self.setting}.draft_checkpoint')
+      raise InvalidSetting(f'{what} needs {self.setting}.draft_checkpoint')
     return self.checkpoint
 
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import OMIT_AT_DEFAULT
+from jaxspec.errors import InvalidSetting
 from jaxspec.decoding.drafters.base import DraftSources
 from jaxspec.decoding.drafters.shared_encoder import SharedEncoderDrafter
 from jaxspec.model.cache import DecoderCache, LayerCache
@@ -48,11 +49,11 @@ class Int8Drafter(SharedEncoderDrafter):
 
   def __post_init__(self):
     if self.weights != 'int8':
-      raise ValueError(f"an int8 draft has int8 weights; got weights={self.weights!r}")
+      raise InvalidSetting(f"an int8 draft has int8 weights; got weights={self.weights!r}")
     if self.encoder_dim == 0:
       object.__setattr__(self, 'encoder_dim', self.config.emb_dim)
     if self.encoder_dim != self.config.emb_dim:
-      raise ValueError(
+      raise InvalidSetting(
           f'an int8 draft is the target decoder itself: encoder_dim must equal the target '
           f'config emb_dim {self.config.emb_dim}, got {self.encoder_dim}')
     super().__post_init__()
@@ -66,10 +67,10 @@ class Int8Drafter(SharedEncoderDrafter):
     """Made from the target's params (no checkpoint of its own); replicated with a
     partitioner."""
     if sources.checkpoint:
-      raise ValueError('an int8 draft is made from the target checkpoint; unset '
-                       f'{sources.setting}.draft_checkpoint ({sources.checkpoint!r})')
+      raise InvalidSetting('an int8 draft is made from the target checkpoint; unset '
+                           f'{sources.setting}.draft_checkpoint ({sources.checkpoint!r})')
     if sources.target_params is None:
-      raise ValueError("an int8 draft needs the target's params")
+      raise InvalidSetting("an int8 draft needs the target's params")
     if sources.partitioner:
       return sources.replicated(int8_decoder(jax.device_get(sources.target_params)))
     return self.draft_params(sources.target_params)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import PAD_ID
+from jaxspec.errors import InvalidSetting
 from jaxspec.decoding.drafters.base import DraftContext, Drafter, DraftSources, draw_tokens
 from jaxspec.sampling import SamplingConfig, standardize
 
@@ -92,9 +93,9 @@ def _position_keys(keys, gamma: int):
 
 def _train_targets(sources: DraftSources):
   if sources.train_targets is None:
-    raise ValueError(f'n-gram drafters are fitted on a shipped corpus ({sources.setting}.corpus); '
-                     'with a seqio task other than jaxspec_*_local use a T5 drafter '
-                     'or prompt lookup')
+    raise InvalidSetting(f'n-gram drafters are fitted on a shipped corpus '
+                         f'({sources.setting}.corpus); with a seqio task other than '
+                         'jaxspec_*_local use a T5 drafter or prompt lookup')
   return sources.train_targets()
 
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import PAD_ID
+from jaxspec.errors import InvalidSetting
 from jaxspec.decoding.drafters.base import DraftContext, Drafter
 from jaxspec.sampling import SamplingConfig
 
@@ -84,8 +85,8 @@ class PromptLookupDrafter(Drafter):
 
   def __post_init__(self):
     if not 1 <= self.min_ngram_size <= self.ngram_size:
-      raise ValueError('need 1 <= min_ngram_size <= ngram_size, got '
-                       f'{self.min_ngram_size} and {self.ngram_size}')
+      raise InvalidSetting('need 1 <= min_ngram_size <= ngram_size, got '
+                           f'{self.min_ngram_size} and {self.ngram_size}')
 
   def init_state(self, params, encoder_tokens, max_length: int):
     return ()

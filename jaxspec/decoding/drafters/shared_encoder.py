@@ -20,6 +20,7 @@ import jax
 
 from jaxspec.checkpoints import shared_encoder_draft as shared_encoder_checkpoints
 from jaxspec.config import OMIT_AT_DEFAULT, T5Config
+from jaxspec.errors import InvalidSetting
 from jaxspec.decoding.drafters.base import DraftContext, Drafter, DraftSources
 from jaxspec.decoding.drafters.t5 import CachedDecoderDrafter
 from jaxspec.model import T5
@@ -51,9 +52,9 @@ class SharedEncoderDrafter(CachedDecoderDrafter):
 
   def __post_init__(self):
     if self.encoder_dim < 1:
-      raise ValueError(f'encoder_dim must be >= 1 (the target emb_dim), got {self.encoder_dim}')
+      raise InvalidSetting(f'encoder_dim must be >= 1 (the target emb_dim), got {self.encoder_dim}')
     if self.weights not in WEIGHTS:
-      raise ValueError(f'weights must be one of {WEIGHTS}, got {self.weights!r}')
+      raise InvalidSetting(f'weights must be one of {WEIGHTS}, got {self.weights!r}')
 
   def decoding_params(self, checkpoint_params):
     """{'params'} to decode with, on the default device, from a checkpoint's 'params'

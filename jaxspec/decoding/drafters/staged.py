@@ -44,6 +44,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxspec.errors import InvalidSetting
 from jaxspec.decoding.drafters.base import (DraftContext, Drafter, DraftSources,
                                             drafts_through_first)
 from jaxspec.decoding.drafters.t5 import CachedDecoderDrafter, consume_last_inputs
@@ -109,18 +110,18 @@ class StagedDrafter(Drafter):
 
   def __post_init__(self):
     if not isinstance(self.drafter, CachedDecoderDrafter):
-      raise ValueError('a staged drafter speculates on a drafter with a cached decoder '
-                       f'(Int8Drafter, T5Drafter, SharedEncoderDrafter); got '
-                       f'{type(self.drafter).__name__}')
+      raise InvalidSetting('a staged drafter speculates on a drafter with a cached decoder '
+                           f'(Int8Drafter, T5Drafter, SharedEncoderDrafter); got '
+                           f'{type(self.drafter).__name__}')
     if self.proposer.reads_target_features:
-      raise ValueError(f'a {type(self.proposer).__name__} drafts from the target\'s verify '
-                       'steps, which a staged drafter\'s proposer never sees; use it as the '
-                       'drafter of speculative decoding itself')
+      raise InvalidSetting(f'a {type(self.proposer).__name__} drafts from the target\'s '
+                           'verify steps, which a staged drafter\'s proposer never sees; use '
+                           'it as the drafter of speculative decoding itself')
     if self.lookahead < 1:
-      raise ValueError(f'lookahead must be >= 1 (tokens proposed a round), got '
-                       f'{self.lookahead}')
+      raise InvalidSetting(f'lookahead must be >= 1 (tokens proposed a round), got '
+                           f'{self.lookahead}')
     if self.proposer.vocab_size != self.drafter.vocab_size:
-      raise ValueError(
+      raise InvalidSetting(
           f'the proposer and the drafter must share a vocabulary: proposer vocab_size '
           f'{self.proposer.vocab_size}, drafter vocab_size {self.drafter.vocab_size}')
 
