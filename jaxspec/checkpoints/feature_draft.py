@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from jaxspec.checkpoints import t5x
 from jaxspec.checkpoints.validate import flatten_params
 from jaxspec.config import T5Config
+from jaxspec.errors import InvalidSetting
 from jaxspec.model.feature_draft import abstract_params
 
 
@@ -24,7 +25,7 @@ def expected_shapes(config: T5Config) -> dict[str, tuple[int, ...]]:
 
 
 def check_params(params: Mapping[str, Any], config: T5Config) -> None:
-  """Raises ValueError naming the first path (sorted) that is missing, unexpected or of
+  """Raises InvalidSetting naming the first path (sorted) that is missing, unexpected or of
   the wrong shape for the head of `config` (feature_draft.head_config)."""
   if 'params' in params and set(params) <= {'params', 'params_axes'}:
     params = params['params']
@@ -32,15 +33,15 @@ def check_params(params: Mapping[str, Any], config: T5Config) -> None:
   expected = expected_shapes(config)
   for path in sorted(set(actual) | set(expected)):
     if path not in actual:
-      raise ValueError(f'feature draft head params: missing {path!r} (expected shape '
+      raise InvalidSetting(f'feature draft head params: missing {path!r} (expected shape '
                        f'{expected[path]}); is this a head of '
                        f'{config.num_decoder_layers} layer(s)?')
     if path not in expected:
-      raise ValueError(f'feature draft head params: unexpected {path!r} of shape '
+      raise InvalidSetting(f'feature draft head params: unexpected {path!r} of shape '
                        f'{actual[path]} (a head of {config.num_decoder_layers} layer(s) '
                        'over a target of this shape has no such parameter)')
     if actual[path] != expected[path]:
-      raise ValueError(f'feature draft head params: {path!r} has shape {actual[path]}, '
+      raise InvalidSetting(f'feature draft head params: {path!r} has shape {actual[path]}, '
                        f'the target config expects {expected[path]}')
 
 

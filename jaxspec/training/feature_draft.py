@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxspec.config import T5Config
+from jaxspec.errors import InvalidSetting
 from jaxspec.model import T5
 from jaxspec.model import feature_draft
 
@@ -40,9 +41,9 @@ class FeatureLossConfig:
 
   def __post_init__(self):
     if self.unroll < 1:
-      raise ValueError(f'unroll must be >= 1 (passes of the head), got {self.unroll}')
+      raise InvalidSetting(f'unroll must be >= 1 (passes of the head), got {self.unroll}')
     if self.feature_noise < 0:
-      raise ValueError(f'feature_noise must be >= 0, got {self.feature_noise}')
+      raise InvalidSetting(f'feature_noise must be >= 0, got {self.feature_noise}')
 
 
 def target_features(target_params, batch, *, target_config: T5Config):

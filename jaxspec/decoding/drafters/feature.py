@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jaxspec import inference
 from jaxspec.checkpoints import feature_draft as head_checkpoints
 from jaxspec.config import T5Config
+from jaxspec.errors import InvalidSetting
 from jaxspec.decoding.drafters.base import DraftContext, Drafter, DraftSources
 from jaxspec.decoding.drafters.t5 import (propose_coupled_from_decoder, propose_from_decoder,
                                           propose_top_branches_from_decoder,
@@ -97,10 +98,10 @@ class FeatureDrafter(Drafter):
 
   def __post_init__(self):
     if self.num_layers < 1:
-      raise ValueError(f'a feature draft head has at least one layer, got num_layers '
+      raise InvalidSetting(f'a feature draft head has at least one layer, got num_layers '
                        f'{self.num_layers}')
     if self.weights not in WEIGHTS:
-      raise ValueError(f'a feature draft head has weights in {WEIGHTS}, got {self.weights!r}')
+      raise InvalidSetting(f'a feature draft head has weights in {WEIGHTS}, got {self.weights!r}')
 
   @property
   def vocab_size(self) -> int:
@@ -127,7 +128,7 @@ class FeatureDrafter(Drafter):
     head (replicated with a partitioner)."""
     checkpoint = sources.require_checkpoint('a feature draft head')
     if sources.target_params is None:
-      raise ValueError("a feature draft head drafts through the target's LM head: it needs "
+      raise InvalidSetting("a feature draft head drafts through the target's LM head: it needs "
                        "the target's params")
     head = head_checkpoints.load(checkpoint, self.head_config,
                                  dtype=self.config.param_dtype)
@@ -135,7 +136,7 @@ class FeatureDrafter(Drafter):
     return sources.replicated(params) if sources.partitioner else jax.device_put(params)
 
   def init_state(self, params, encoder_tokens, max_length: int):
-    raise ValueError("a feature draft head reads the target's features and cross-attention "
+    raise InvalidSetting("a feature draft head reads the target's features and cross-attention "
                      'cache: it drafts only inside speculative decoding '
                      '(init_state_for_decode with the target cache)')
 
