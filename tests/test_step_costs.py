@@ -65,7 +65,7 @@ def test_script_writes_json_markdown_and_plot(tmp_path):
                           f'--source_length={SETUP.source_length}',
                           f'--cache_position={SETUP.cache_position}',
                           f'--cache_length={SETUP.cache_length}', '--int8_gamma=2',
-                          f'--out={out}'])
+                          '--feature_layers=1', f'--out={out}'])
   results = json.loads((out / 'step_costs.json').read_text())
   assert (results['setup']['source_length'], results['setup']['cache_length']) == (6, 12)
   target = results['targets']['test_tiny_1_1']
@@ -81,6 +81,11 @@ def test_script_writes_json_markdown_and_plot(tmp_path):
   assert '| test_tiny_1_1 |' in table and '| test_tiny_1_0 |' in table
   assert (f"| 2 | {int8['proposal_ms']:.2f} ms | {int8['c']:.3f} | {int8['verify_ms']:.2f} ms | "
           f"{int8['iteration_ms']:.2f} ms | {int8['interference_ms']:+.2f} ms |") in table
+  head = target['feature_head']
+  assert (head['layers'], head['gamma'], head['weights']) == (1, 2, 'int8')
+  assert head['proposal_ms'] > 0 and math.isfinite(head['c'])
+  assert (f"| test_tiny_1_1 | 1 | 2 | {head['proposal_ms']:.2f} ms | {head['c']:.3f} | "
+          f"{int8['proposal_ms']:.2f} ms | {int8['c']:.3f} |") in table
   assert math.isclose(int8['interference_ms'],
                       int8['iteration_ms'] - int8['proposal_ms'] - int8['verify_ms'])
   assert (out / 'v_of_k.png').read_bytes()[:4] == b'\x89PNG'

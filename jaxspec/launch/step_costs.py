@@ -47,6 +47,9 @@ def _parse_args(argv):
   parser.add_argument('--gamma', type=int, default=3, help='draft tokens per proposal')
   parser.add_argument('--int8_gamma', type=int, default=8,
                       help="tokens per proposal of each target's int8 draft (0: not measured)")
+  parser.add_argument('--feature_layers', type=int, default=0,
+                      help="also each target's feature-level head of this many layers, in int8, "
+                      'beside its int8 draft (0: not measured)')
   parser.add_argument('--repeats', type=int, default=15)
   parser.add_argument('--steps_per_call', type=int, default=10)
   defaults = step_costs.StepCostSetup()
@@ -104,12 +107,17 @@ def measure(args) -> dict:
     print(name, {variant: {k: round(r['V'], 2) for k, r in rows[variant].items()}
                  for variant in VARIANTS}, flush=True)
     if args.int8_gamma > 0:
-      int8 = step_costs.measure_int8_draft_cost(get_config(name), args.int8_gamma, setup)
+      int8 = step_costs.measure_int8_draft_cost(get_config(name), args.int8_gamma, setup,
+                                                feature_layers=args.feature_layers)
       targets[name]['int8_draft'] = {
           'gamma': int8.gamma, 'step_ms': 1e3 * int8.step_seconds,
           'verify_ms': 1e3 * int8.verify_seconds, 'proposal_ms': 1e3 * int8.proposal_seconds,
           'iteration_ms': 1e3 * int8.iteration_seconds,
           'interference_ms': 1e3 * int8.interference_seconds, 'c': int8.c}
+      if int8.feature_layers:
+        targets[name]['feature_head'] = {
+            'layers': int8.feature_layers, 'gamma': int8.gamma, 'weights': 'int8',
+            'proposal_ms': 1e3 * int8.feature_proposal_seconds, 'c': int8.feature_c}
       print(name, 'int8 draft', targets[name]['int8_draft'], flush=True)
   drafts = {}
   for name in _names(args.drafts):
@@ -174,6 +182,18 @@ def markdown(results: dict) -> str:
                    f"{draft['gamma']} | {draft['proposal_ms']:.2f} ms | {draft['c']:.3f} | "
                    f"{draft['verify_ms']:.2f} ms | {draft['iteration_ms']:.2f} ms | "
                    f"{draft['interference_ms']:+.2f} ms |")
+  heads = {name: target['feature_head'] for name, target in results['targets'].items()
+           if 'feature_head' in target}
+  if heads:
+    lines += ['', "Each target's feature-level head (jaxspec.FeatureDrafter, int8, random "
+              "weights) in the same rounds as its int8 draft: c against the target's "
+              'one-position step:', '',
+              '| target | head layers | gamma | head proposal | c | int8 draft proposal | c |',
+              '|---|---|---|---|---|---|---|']
+    for name, head in heads.items():
+      lines.append(f"| {name} | {head['layers']} | {head['gamma']} | "
+                   f"{head['proposal_ms']:.2f} ms | {head['c']:.3f} | "
+                   f"{int8[name]['proposal_ms']:.2f} ms | {int8[name]['c']:.3f} |")
   return '\n'.join(lines) + '\n'
 
 

@@ -27,9 +27,10 @@ import numpy as np
 from jaxspec.measure import benchmark
 from jaxspec.config import T5Config
 from jaxspec.decoding.drafters.base import DraftContext
+from jaxspec.decoding.drafters.feature import FeatureDrafter, FeatureDrafterWithTarget
 from jaxspec.decoding.drafters.int8 import Int8Drafter
 from jaxspec.decoding.drafters.shared_encoder import SharedEncoderDrafterWithTarget
-from jaxspec.model import T5, init_params, rollback
+from jaxspec.model import T5, feature_draft, init_params, rollback
 from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.sampling import SamplingConfig, argmax
 
@@ -172,6 +173,12 @@ class Int8DraftCost:
   # the draft's and the target's weights evict each other from the cache.
   iteration_seconds: float
   c: float  # median over repetitions of proposal / (gamma x step)
+  # A feature-level head of `feature_layers` decoder layers over the same target
+  # (jaxspec.FeatureDrafter, int8 as the int8 draft), timed in the same rounds; None when
+  # not measured.
+  feature_layers: int = 0
+  feature_proposal_seconds: float | None = None
+  feature_c: float | None = None
 
   @property
   def interference_seconds(self) -> float:
@@ -218,12 +225,14 @@ def _iterations(params, encoder_tokens, tokens, num_iterations, *, drafter,
 
 def measure_int8_draft_cost(config: T5Config, gamma: int,
                             setup: StepCostSetup = StepCostSetup(), params=None,
-                            seed: int = 0) -> Int8DraftCost:
+                            seed: int = 0, feature_layers: int = 0) -> Int8DraftCost:
   """The target's int8 draft (jaxspec.Int8Drafter: the target's decoder with int8
   weights over the target's encoding) against the target, all through the few-row
   kernel and interleaved: the target's steps over 1 and gamma + 1 positions, greedy
   proposals of gamma tokens, and iterations of a proposal and a verify step; c of
-  Theorem 3.8 from the first and the proposals.
+  Theorem 3.8 from the first and the proposals. With feature_layers > 0, the proposals of
+  a feature-level head of that many layers in int8 (random weights: a step's cost does not
+  depend on them) in the same rounds, and its c.
 
   params: the target's variables (random ones of `config` by default).
   """
@@ -258,16 +267,29 @@ def measure_int8_draft_cost(config: T5Config, gamma: int,
         _iterations, both, encoder_tokens, prefix, count, drafter=standalone,
         target_config=target_config, gamma=gamma, cache_length=setup.cache_length,
         cache_position=setup.cache_position)
+  if feature_layers:
+    head = FeatureDrafter(target_config, num_layers=feature_layers, weights='int8')
+    head_params = feature_draft.init_params(head.head_config, jax.random.PRNGKey(seed + 1))
+    feature = {'draft': FeatureDrafter.make_params(head_params, target_params, 'int8'),
+               'target': target_params}
+    for count in INT8_PROPOSAL_CALLS:
+      calls['feature', count] = functools.partial(
+          benchmark.propose_calls, feature, encoder_tokens, prefix, count,
+          drafter=FeatureDrafterWithTarget(head, target_config), gamma=gamma,
+          cache_length=setup.cache_length, sampling=SamplingConfig())
   times = interleaved_times(calls, setup.repeats)
   short, long = INT8_PROPOSAL_CALLS
   per_call = lambda name: (times[name, long] - times[name, short]) / (long - short)  # noqa: E731
   proposal, step = per_call('proposals'), times['step'] / setup.steps_per_call
   median = lambda x: float(np.median(x))  # noqa: E731
+  feature = per_call('feature') if feature_layers else None
   return Int8DraftCost(gamma=gamma, step_seconds=median(step),
                        verify_seconds=median(times['verify'] / setup.steps_per_call),
                        proposal_seconds=median(proposal),
                        iteration_seconds=median(per_call('iterations')),
-                       c=median(proposal / (gamma * step)))
+                       c=median(proposal / (gamma * step)), feature_layers=feature_layers,
+                       feature_proposal_seconds=None if feature is None else median(feature),
+                       feature_c=None if feature is None else median(feature / (gamma * step)))
 
 
 # ---------------------------------------------------------------------------

@@ -235,3 +235,30 @@ class FeatureDrafter(Drafter):
       return logits, state.replace(cache=rollback(cache, context.length + 1),
                                    caught_up=context.length + 1, last_feature=last[:, 0])
     return first_step
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureDrafterWithTarget(Drafter):
+  """`drafter` made stand-alone, for measuring its proposals: params {'draft': the head's
+  drafter params, 'target': the target's variables}; `init_state` runs the target's
+  encoder and builds its cache, whose cross-attention keys/values the head shares. No
+  verify step hands it the target's features, so its proposals read slot features of 0:
+  what they cost, not what they agree."""
+  drafter: FeatureDrafter
+  target_config: T5Config
+
+  @property
+  def vocab_size(self) -> int:
+    return self.drafter.vocab_size
+
+  def init_state(self, params, encoder_tokens, max_length: int):
+    model = T5(self.target_config)
+    encoded = model.apply(params['target'], encoder_tokens, method=T5.encode)
+    cache = model.apply(params['target'], encoded, encoder_tokens, max_length,
+                        method=T5.init_cache)
+    return self.drafter.init_state_for_decode(params['draft'], encoder_tokens, encoded,
+                                              max_length, cache)
+
+  def propose(self, params, state, context: DraftContext, gamma: int,
+              sampling: SamplingConfig, keys):
+    return self.drafter.propose(params['draft'], state, context, gamma, sampling, keys)
