@@ -1,14 +1,18 @@
-"""The accelerator decode layout (jaxspec.model.accelerator.layout), checked on the CPU
-through XLA's products (what a GPU or TPU runs).
+"""The accelerator decode layout (jaxspec.model.accelerator.layout) and the attention
+through jax.nn.dot_product_attention (jaxspec.model.accelerator.attention), checked on
+the CPU through XLA's products (what a GPU or TPU runs).
 
 - Conversion: exactly the decoder's self-attention q/k/v and gated MLP wi_0/wi_1 kernels
   are stacked (encoder and cross-attention untouched), with their logical axes; every
   other layout unstacks first, so writers, int8 drafts and check_params see T5X's
   kernels; the round trip is exact; GPUs and TPUs decode in it.
 - The model computes the same function in it: cached decode steps of 1 and several
-  positions equal the unfused model's up to float32 rounding (both T5 variants).
-- Exactness where it matters: with fixed-width steps, in bfloat16, greedy speculative
-  decoding of the shipped pair in the fused layout is its baseline token for token.
+  positions equal the unfused model's up to float32 rounding (both T5 variants), and so
+  does the attention through jax.nn.dot_product_attention against jaxspec's einsums.
+- Exactness where it matters: with fixed-width steps, in bfloat16, steps of any width
+  with rollbacks give the one-position steps' logits bit for bit in the fused layout
+  with jax.nn.dot_product_attention, and greedy speculative decoding of the shipped pair
+  in the fused layout is its baseline token for token.
 """
 
 import functools
@@ -27,10 +31,15 @@ from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.drafters import Int8Drafter, T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.model import T5, init_params
+from jaxspec.model.accelerator import attention as accelerator_attention
 from jaxspec.model.accelerator import layout as accelerator_layout
+from jaxspec.model.cache import rollback
+from jaxspec.model.cpu import attention as cpu_attention
 from jaxspec.model.cpu import layout as kernel_layout
 
 WIDTH = 4  # gamma 3
+DOT_PRODUCT_ATTENTION = 'dot_product_attention'
+BFLOAT16_XLA = dict(dtype='bfloat16', param_dtype='bfloat16', cpu_matmul='xla')
 
 
 @functools.cache
@@ -152,10 +161,13 @@ def _cached_steps(params, encoder_tokens, decoder_tokens, *, config, num_steps):
   return jnp.concatenate(stepped, axis=1)
 
 
-@pytest.mark.parametrize('name, num_steps', [('test_tiny_1_1', 3), ('test_tiny_1_0', 1)])
-def test_decode_steps_equal_the_unfused_models(name, num_steps):
-  """float32 through XLA's products: the unfused T5X layout is the reference; the fused
-  layout differs from it by float32 rounding at most."""
+@pytest.mark.parametrize('name, num_steps, decode_attention', [
+    ('test_tiny_1_1', 3, 'einsum'), ('test_tiny_1_0', 1, 'einsum'),
+    ('test_tiny_1_1', 1, DOT_PRODUCT_ATTENTION)])
+def test_decode_steps_equal_the_unfused_models(name, num_steps, decode_attention):
+  """float32 through XLA's products: the unfused T5X layout with jaxspec's einsums is
+  the reference; the fused layout (and the attention through
+  jax.nn.dot_product_attention) differ from it by float32 rounding at most."""
   config = get_config(name, cpu_matmul='xla')
   variables = {'params': _variables(name)['params']}
   rng = np.random.default_rng(0)
@@ -164,13 +176,92 @@ def test_decode_steps_equal_the_unfused_models(name, num_steps):
   reference = _cached_steps(variables, encoder_tokens, decoder_tokens, config=config,
                             num_steps=num_steps)
   fused = _cached_steps(kernel_layout.fused_kernels(variables), encoder_tokens,
-                        decoder_tokens, config=config, num_steps=num_steps)
+                        decoder_tokens, config=config.replace(decode_attention=decode_attention),
+                        num_steps=num_steps)
   np.testing.assert_allclose(fused, reference, rtol=1e-5, atol=1e-5)
   assert np.abs(np.asarray(reference)).max() > 0.1  # logits of substance
 
 
+@pytest.mark.parametrize('keys_in_slots', [False, True])
+def test_dot_product_attention_is_jaxspecs_attention(keys_in_slots):
+  """A step's self-attention and its cache write (rows at different slots, one whose
+  last key falls past the buffer), and a cross-attention, against jaxspec's einsums."""
+  rng = np.random.default_rng(int(keys_in_slots))
+  b, t, h, d, length = 2, 3, 2, 8, 12
+  query, new_keys, new_values = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+                                 for _ in range(3))
+  keys, values = (jnp.asarray(rng.standard_normal((b, h, d, length)), jnp.float32)
+                  for _ in range(2))
+  starts = jnp.asarray([3, 10])
+  positions = starts[:, None] + jnp.arange(t)[None, :]  # [b, t]
+  relative = jnp.asarray(rng.standard_normal((b, h, t, length)), jnp.float32)
+  bias = relative + jnp.where(jnp.arange(length)[None, None, :] <= positions[:, :, None],
+                              0.0, -1e10)[:, None]  # [b, h, t, L]
+  expected = cpu_attention.xla_attend_and_write(query, new_keys, new_values, keys, values,
+                                                bias, starts, keys_in_slots)
+  actual = accelerator_attention.attend_and_write(query, new_keys, new_values, keys, values,
+                                                  bias, starts, keys_in_slots)
+  np.testing.assert_allclose(actual[0], expected[0], rtol=1e-5, atol=1e-5)
+  for written, reference in zip(actual[1:], expected[1:]):
+    np.testing.assert_array_equal(written, reference)
+  cross_bias = bias[:, :1]  # [b, 1, t, s]
+  np.testing.assert_allclose(
+      accelerator_attention.cached_attention(query, keys, values, cross_bias),
+      cpu_attention.xla_cached_attention(query, keys, values, cross_bias),
+      rtol=1e-5, atol=1e-5)
+
+
+def test_cudnn_where_its_fused_kernel_takes_the_operands():
+  implementation = accelerator_attention.implementation
+  assert implementation(jnp.bfloat16, 64, nvidia_gpu=True) == 'cudnn'
+  assert implementation(jnp.float16, 128, nvidia_gpu=True) == 'cudnn'
+  assert implementation(jnp.float32, 64, nvidia_gpu=True) is None  # JAX's choice
+  assert implementation(jnp.bfloat16, 160, nvidia_gpu=True) is None
+  assert implementation(jnp.bfloat16, 64, nvidia_gpu=False) is None
+  assert implementation(jnp.bfloat16, 64) is None  # this CPU
+  with pytest.raises(ValueError, match='decode_attention must be one of'):
+    get_config('test_tiny_1_1', decode_attention='flash')
+
+
 # ----------------------------------------------------------------------------------
 # Exactness with fixed-width steps, in bfloat16.
+
+# The shipped target's shapes, fewer layers: wide enough products that XLA rounds them
+# differently for different numbers of rows (tests/test_decode_positions.py).
+CONFIG = get_config('local_target', num_encoder_layers=1, num_decoder_layers=2,
+                    **BFLOAT16_XLA)
+
+
+def _step_logits(config, params, sequence, widths, junk=0):
+  """Logits [n, v] of sequence [n] (one row) decoded in steps that keep `widths` tokens,
+  each followed by `junk` junk tokens and rolled back past them."""
+  model = T5(config)
+  encoder_tokens = jnp.asarray(np.random.default_rng(1).integers(2, config.vocab_size, (1, 7)),
+                               jnp.int32)
+  cache = jax.jit(lambda tokens: model.apply(
+      params, model.apply(params, tokens, method=T5.encode), tokens, 16,
+      method=T5.init_cache))(encoder_tokens)
+  decode = jax.jit(lambda tokens, cache: model.apply(params, tokens, cache, method=T5.decode))
+  kept, start = [], 0
+  for width in widths:
+    tokens = jnp.concatenate([sequence[start:start + width], jnp.full((junk,), 7, jnp.int32)])
+    logits, cache = decode(tokens[None, :], cache)  # [1, width + junk, v]
+    kept += [logits[0, j] for j in range(width)]
+    start += width
+    cache = rollback(cache, jnp.asarray([start]))
+  return np.stack(kept)
+
+
+def test_fixed_width_steps_round_as_one_position_steps_with_dot_product_attention():
+  """The fused layout's products, and the attention through jax.nn.dot_product_attention
+  over every key at its slot: a row of a step computed alike whatever the step's width
+  (the greedy identity below covers the fused layout with jaxspec's einsums)."""
+  config = CONFIG.replace(decode_positions=WIDTH, decode_attention=DOT_PRODUCT_ATTENTION)
+  params = kernel_layout.fused_kernels(init_params(CONFIG, jax.random.PRNGKey(0)))
+  sequence = jnp.asarray(np.random.default_rng(3).integers(2, CONFIG.vocab_size, (8,)),
+                         jnp.int32)
+  np.testing.assert_array_equal(_step_logits(config, params, sequence, [3, 3, 1, 1], junk=1),
+                                _step_logits(config, params, sequence, [1] * 8))
 
 
 @pytest.fixture(scope='module')

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import T5Config
+from jaxspec.config import DECODE_ATTENTION_JAX, T5Config
+from jaxspec.model.accelerator import attention as accelerator_attention
 from jaxspec.model.cpu import attention as cpu_attention, matmul as cpu_matmul
 from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_AXES, TARGET,
                                     constrain)
@@ -323,11 +324,22 @@ class MultiHeadAttention(nn.Module):
       projected = project_together(x, (self.query, self.key, self.value), self.config)
     return tuple(self._split_heads(y) for y in projected)
 
+  def _through_dot_product_attention(self, kernel_takes_shapes: bool) -> bool:
+    """Whether a decode step's attention goes to jax.nn.dot_product_attention
+    (config.decode_attention): wherever XLA computes it, not where the CPU kernel does."""
+    return (self.config.decode_attention == DECODE_ATTENTION_JAX
+            and not (kernel_takes_shapes and cpu_matmul.use_kernel(self.config.cpu_matmul)))
+
   def attend_cached(self, query, keys, values, bias):
     """query [b,t,h,d] against cached keys/values [b,h,d,s] (jaxspec.model.cache) -> [b, t, e]
-    (on CPU through the attention kernel, jaxspec.model.cpu.attention)."""
-    out = cpu_attention.cached_attention(query, keys, values, bias,
-                                         cpu_matmul_setting=self.config.cpu_matmul)
+    (on CPU through the attention kernel, jaxspec.model.cpu.attention; with
+    config.decode_attention 'dot_product_attention' elsewhere through
+    jaxspec.model.accelerator.attention)."""
+    if self._through_dot_product_attention(cpu_attention.applies(query, keys, values, bias)):
+      out = accelerator_attention.cached_attention(query, keys, values, bias)
+    else:
+      out = cpu_attention.cached_attention(query, keys, values, bias,
+                                           cpu_matmul_setting=self.config.cpu_matmul)
     out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
     return constrain(self.out(out), EMBED_AXES, self.role)
 
@@ -336,9 +348,15 @@ class MultiHeadAttention(nn.Module):
     go into the cached keys/values [b,h,d,s] at slots starts[b] + 0..t-1, then query
     [b,t,h,d] attends over them -> ([b, t, e], keys, values)
     (jaxspec.model.cpu.attention.attend_and_write)."""
-    out, keys, values = cpu_attention.attend_and_write(
-        query, new_keys, new_values, keys, values, bias, starts, self.config.cpu_matmul,
-        keys_in_slots=fixed_step_width(self.config, self.role) > 0)
+    keys_in_slots = fixed_step_width(self.config, self.role) > 0
+    if self._through_dot_product_attention(cpu_attention.applies_write(
+        query, new_keys, new_values, keys, values, bias)):
+      out, keys, values = accelerator_attention.attend_and_write(
+          query, new_keys, new_values, keys, values, bias, starts, keys_in_slots)
+    else:
+      out, keys, values = cpu_attention.attend_and_write(
+          query, new_keys, new_values, keys, values, bias, starts, self.config.cpu_matmul,
+          keys_in_slots=keys_in_slots)
     out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
     return constrain(self.out(out), EMBED_AXES, self.role), keys, values
 
