@@ -85,6 +85,22 @@ def test_table2_predictions_follow_the_paper_formulas():
               ('EnDe', 'large', 0, 0.82, 1.7)]
 
 
+def test_a_trees_branches_are_drafted_at_the_cost_of_a_batch():
+  # Steps of 0.5 ms at batch 1 and 1.2 ms at batch 8 against a 5 ms target step.
+  by_branches = accelerator.draft_cost_by_branches({1: 0.5, 8: 1.2}, 5.0)
+  assert sorted(by_branches) == list(range(1, 9))
+  assert by_branches[1] == pytest.approx(0.1) and by_branches[8] == pytest.approx(0.24)
+  assert by_branches[3] == pytest.approx((0.5 + 0.7 * 2 / 7) / 5.0)
+  assert accelerator.draft_cost_by_branches({1: 0.5}, 5.0) == pytest.approx(0.1)
+  # A draft that costs twice as much per extra row leaves the tree narrower.
+  flat = {k: 1.0 for k in (2, 4, 8, 16, 32, 64)}
+  cheap = accelerator.table2_predictions({'small': 0.02}, flat)[0]['best_tree']
+  costly = accelerator.table2_predictions(
+      {'small': 0.02}, flat, branch_c={'small': {m: 0.02 * m for m in range(1, 9)}}
+  )[0]['best_tree']
+  assert costly['num_drafts'] < cheap['num_drafts'] and costly['speedup'] < cheap['speedup']
+
+
 def test_budget_splits_what_is_left_among_the_parts_to_come():
   now = [0.0]
   budget = accelerator.Budget(100.0, {'a': 0.5, 'b': 0.0, 'd': 0.25, 'e': 0.25},
@@ -267,6 +283,7 @@ def test_table2_from_the_measured_costs(tiny_run):
   table = record['parts'][NAMES['c']]
   steps = record['parts'][NAMES['a']]['targets']['tiny']['batch_1']['steps']
   assert table['verify_cost'] == {k: s['V'] for k, s in steps.items() if k > 1}
+  assert table['branch_c'] == {'small': pytest.approx(table['c']['small'])}  # batch 1 only
   assert len(table['rows']) == 12
   for row in table['rows']:
     if row['draft'] == 'small':  # the only draft measured at tiny shapes

@@ -467,7 +467,18 @@ def part_table2(run: Run) -> dict:
     if size in measured and size != target:
       draft_c[size] = step_part['targets'][size]['batch_1']['steps'][1]['ms'] / one
   verify_cost = {k: s['V'] for k, s in target_entry['steps'].items() if k > 1}
-  rows = accelerator.table2_predictions(draft_c, verify_cost)
+  # A tree's m branches are drafted as a batch of m rows: c by the batches measured.
+  draft_steps = {'small': {int(batch.split('_')[-1]): entry['step_ms']
+                           for batch, entry in step_part['drafts']['small'].items()
+                           if 'step_ms' in entry}}
+  for size in ('base', 'large'):
+    if size in measured and size != target:
+      draft_steps[size] = {int(batch.split('_')[-1]): entry['steps'][1]['ms']
+                           for batch, entry in step_part['targets'][size].items()
+                           if 'steps' in entry}
+  branch_c = {draft: accelerator.draft_cost_by_branches(steps, one)
+              for draft, steps in draft_steps.items() if steps}
+  rows = accelerator.table2_predictions(draft_c, verify_cost, branch_c=branch_c)
   for row in rows:
     if row['predicted_speedup'] is not None:
       print(f"c: {row['task']} {row['draft']} T={row['temperature']}: predicted "
@@ -475,6 +486,7 @@ def part_table2(run: Run) -> dict:
             f"{_shape(row['best_chain'])}, best tree {_shape(row['best_tree'])} "
             f"(paper {row['paper_speedup']}x at {row['paper_gamma']})", flush=True)
   return {'target': config_name(run, target), 'c': draft_c, 'verify_cost': verify_cost,
+          'branch_c': branch_c,
           'note': 'c = draft one-position step / target one-position step (part a, '
                   'batch 1, bfloat16); V(k) the target\'s; alpha from the paper\'s Table 3',
           'rows': rows}
@@ -833,7 +845,9 @@ def markdown(record: dict) -> str:
                 'gamma; Theorem 3.8 takes V = 1. Best chain and best tree: '
                 'jaxspec.measure.tree_sizing over V(k) interpolated between the measured k '
                 '(num_drafts x gamma, the verify step over 1 + num_drafts x gamma positions; '
-                'the j-th branch right with probability alpha (1 - alpha)^(j - 1)).', '',
+                'the j-th branch right with probability alpha (1 - alpha)^(j - 1); the '
+                'branches drafted as one batch, at the draft\'s step at that batch where '
+                'part a measured it).', '',
                 '| task | draft | T | alpha | c | best gamma | predicted | at paper gamma '
                 '| Theorem 3.8 | best chain | best tree | paper gamma | paper c | '
                 'paper speedup |', '|---' * 14 + '|']

@@ -581,8 +581,24 @@ def predicted_speedup(alpha: float, gamma: int, c: float, verify_cost: float) ->
       gamma * c + verify_cost)
 
 
+def draft_cost_by_branches(step_ms_by_batch: Mapping[int, float], target_step_ms: float,
+                           max_drafts: int = tree_sizing.MAX_DRAFTS) -> float | dict[int, float]:
+  """c of a tree's m branches, drafted as one batch of m rows: {m: the draft's step at
+  batch m / the target's one-position step} for m up to max_drafts, linear between the
+  batch sizes measured and never past the largest; the batch-1 c alone where only that
+  was measured (a tree's drafting then taken as costing a chain's)."""
+  measured = {int(b): float(ms) for b, ms in step_ms_by_batch.items()}
+  if set(measured) == {1}:
+    return measured[1] / target_step_ms
+  batches = sorted(measured)
+  return {m: float(np.interp(m, batches, [measured[b] for b in batches])) / target_step_ms
+          for m in range(1, max_drafts + 1) if batches[0] <= m <= batches[-1]}
+
+
 def table2_predictions(draft_c: Mapping[str, float | None], verify_cost: Mapping[int, float],
-                       rows: Sequence[dict] = PAPER_TABLE2) -> list[dict]:
+                       rows: Sequence[dict] = PAPER_TABLE2,
+                       branch_c: Mapping[str, float | Mapping[int, float]] | None = None
+                       ) -> list[dict]:
   """Each of the paper's rows with its speedup predicted from this device's costs.
 
   draft_c: {draft: c} (None: not measured); verify_cost: {k: V(k)} measured on the
@@ -594,7 +610,8 @@ def table2_predictions(draft_c: Mapping[str, float | None], verify_cost: Mapping
   costs (V interpolated between the measured k, never past them; a tree of m branches
   of gamma drafts verified in one step over 1 + m gamma positions, its later branches'
   acceptance by tree_sizing's model), each {num_drafts, gamma, positions, tokens, cost,
-  speedup}.
+  speedup}; branch_c: {draft: c, or {m: c of drafting m branches as a batch}}
+  (draft_cost_by_branches), default draft_c's.
   """
   gammas = sorted(k - 1 for k in verify_cost if k >= 2)
   out = []
@@ -604,7 +621,8 @@ def table2_predictions(draft_c: Mapping[str, float | None], verify_cost: Mapping
                   predicted_at_paper_gamma=None, theorem_3_8_gamma=None,
                   theorem_3_8_speedup=None, best_chain=None, best_tree=None)
     if c is not None and gammas:
-      chain, tree = tree_sizing.best_chain_and_tree(verify_cost, c, row['alpha'])
+      chain, tree = tree_sizing.best_chain_and_tree(
+          verify_cost, (branch_c or {}).get(row['draft'], c), row['alpha'])
       result.update(best_chain=chain.to_json(), best_tree=tree.to_json())
       speedups = {g: predicted_speedup(row['alpha'], g, c, verify_cost[g + 1]) for g in gammas}
       best = max(gammas, key=lambda g: (speedups[g], -g))
