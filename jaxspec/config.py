@@ -22,6 +22,12 @@ UNK_ID = 2
 CPU_MATMUL_KERNEL = 'kernel'
 CPU_MATMUL_XLA = 'xla'
 CPU_MATMULS = (CPU_MATMUL_KERNEL, CPU_MATMUL_XLA)
+# T5Config.decode_attention: how a decode step attends where XLA computes it (everywhere
+# but jaxspec's CPU kernel): jaxspec's own products, or jax.nn.dot_product_attention
+# with a fused kernel where the platform has one (jaxspec.model.accelerator.attention).
+DECODE_ATTENTION_EINSUM = 'einsum'
+DECODE_ATTENTION_JAX = 'dot_product_attention'
+DECODE_ATTENTIONS = (DECODE_ATTENTION_EINSUM, DECODE_ATTENTION_JAX)
 
 
 # Metadata of a dataclass field added after runs were recorded: run settings
@@ -64,6 +70,13 @@ class T5Config:
   # nearly free where a step is memory-bound (a GPU, a TPU), not on a CPU, whose float32
   # kernels are exact without it.
   decode_positions: int = dataclasses.field(default=0, metadata=OMIT_AT_DEFAULT)
+  # A decode step's attention where XLA computes it: 'einsum' (jaxspec's products, a
+  # softmax between them) or 'dot_product_attention' (jax.nn.dot_product_attention:
+  # cuDNN's fused kernel on NVIDIA GPUs in bfloat16 / float16, else JAX's choice).
+  # Both decoders of a speculative run share the target's, so greedy outputs stay
+  # identical with either; the CPU kernel, where it runs, takes precedence.
+  decode_attention: str = dataclasses.field(default=DECODE_ATTENTION_EINSUM,
+                                            metadata=OMIT_AT_DEFAULT)
   # Training only (T5X's dropout_rate): the rate at which a T5 built with
   # deterministic=False drops activations (jaxspec.model.t5); decoding never drops.
   dropout_rate: float = dataclasses.field(default=0.0, metadata=OMIT_AT_DEFAULT)
@@ -84,6 +97,9 @@ class T5Config:
         raise InvalidSetting(f"{name} must name a dtype ('float32', 'bfloat16', ...), got "
                              f'{getattr(self, name)!r}') from None
     check_cpu_matmul(self.cpu_matmul)
+    if self.decode_attention not in DECODE_ATTENTIONS:
+      raise ValueError(f'decode_attention must be one of {DECODE_ATTENTIONS}, got '
+                       f'{self.decode_attention!r}')
     if self.decode_positions < 0:
       raise InvalidSetting(f'decode_positions must be >= 0 (0: off), got {self.decode_positions}')
     if not 0.0 <= self.dropout_rate < 1.0:

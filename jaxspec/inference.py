@@ -32,7 +32,8 @@ def load_model_params(checkpoint: str, config: T5Config, *, for_decoding: bool =
   platform (jaxspec.model.cpu.layout: transposed on CPU, where steps over a few
   positions run through jaxspec's few-row kernel, jaxspec.model.cpu.matmul; a target's
   verify step then costs about one step, and a draft's proposal less than in T5X's
-  layout, scripts/step_costs.py).
+  layout, scripts/step_costs.py; on a GPU or TPU the fused layout, each decoder layer's
+  q/k/v and wi_0/wi_1 in one product, jaxspec.model.accelerator.layout).
   """
   params = t5x_checkpoints.load_t5x_checkpoint(checkpoint, config, dtype=config.param_dtype)
   if for_decoding:

@@ -65,11 +65,40 @@ def test_table2_predictions_follow_the_paper_formulas():
   assert costly['best_gamma'] == 3
   expected = analysis.expected_tokens_per_iteration(0.75, 3) / (3 * 0.02 + 1.5)
   assert costly['predicted_speedup'] == pytest.approx(float(expected))
+  # Beside them the best chain and the best token tree for these costs
+  # (jaxspec.measure.tree_sizing): never past the widest step measured ...
+  for row in rows:
+    if row['draft'] != 'base':
+      chain, tree = row['best_chain'], row['best_tree']
+      assert chain['num_drafts'] == 1 and chain['gamma'] <= 7
+      assert tree['speedup'] >= chain['speedup'] and tree['positions'] <= 8
+  # ... and with V flat to k = 64 (a memory-bound target), a tree of several branches.
+  for row in accelerator.table2_predictions({'small': 0.02},
+                                            {k: 1.0 for k in (2, 4, 8, 16, 32, 64)}):
+    if row['draft'] == 'small':
+      assert row['best_tree']['num_drafts'] > 1
+      assert row['best_tree']['speedup'] > row['best_chain']['speedup']
   # The paper's rows, transcribed: Table 3's alpha equals Table 2's.
   assert [(r['task'], r['draft'], r['temperature'], r['alpha'], r['paper_speedup'])
           for r in accelerator.PAPER_TABLE2[:3]] == [
               ('EnDe', 'small', 0, 0.75, 3.4), ('EnDe', 'base', 0, 0.8, 2.8),
               ('EnDe', 'large', 0, 0.82, 1.7)]
+
+
+def test_a_trees_branches_are_drafted_at_the_cost_of_a_batch():
+  # Steps of 0.5 ms at batch 1 and 1.2 ms at batch 8 against a 5 ms target step.
+  by_branches = accelerator.draft_cost_by_branches({1: 0.5, 8: 1.2}, 5.0)
+  assert sorted(by_branches) == list(range(1, 9))
+  assert by_branches[1] == pytest.approx(0.1) and by_branches[8] == pytest.approx(0.24)
+  assert by_branches[3] == pytest.approx((0.5 + 0.7 * 2 / 7) / 5.0)
+  assert accelerator.draft_cost_by_branches({1: 0.5}, 5.0) == pytest.approx(0.1)
+  # A draft that costs twice as much per extra row leaves the tree narrower.
+  flat = {k: 1.0 for k in (2, 4, 8, 16, 32, 64)}
+  cheap = accelerator.table2_predictions({'small': 0.02}, flat)[0]['best_tree']
+  costly = accelerator.table2_predictions(
+      {'small': 0.02}, flat, branch_c={'small': {m: 0.02 * m for m in range(1, 9)}}
+  )[0]['best_tree']
+  assert costly['num_drafts'] < cheap['num_drafts'] and costly['speedup'] < cheap['speedup']
 
 
 def test_budget_splits_what_is_left_among_the_parts_to_come():
@@ -85,9 +114,10 @@ def test_budget_splits_what_is_left_among_the_parts_to_come():
   assert budget.remaining() < 0 and budget.begin('e', []) == 0.0
 
 
-def test_int8_draft_shapes_are_those_int8drafter_makes():
+@pytest.mark.parametrize('layout', [None, 'fused'])  # this platform's; an accelerator's
+def test_int8_draft_shapes_are_those_int8drafter_makes(layout):
   config = get_config('test_tiny_1_1', dtype='bfloat16', param_dtype='bfloat16')
-  target = accelerator.random_params(config)
+  target = accelerator.random_params(config, layout=layout)
   assert {x.dtype for x in jax.tree_util.tree_leaves(target)} == {jnp.dtype('bfloat16')}
   real = int8_decoder(target, tiled=False)  # Int8Drafter.draft_params off the CPU kernel
   if not cpu_matmul.int8_tiles_apply():
@@ -99,9 +129,10 @@ def test_int8_draft_shapes_are_those_int8drafter_makes():
       assert (a.shape, a.dtype) == (b.shape, b.dtype)
 
 
-def test_a_decode_step_reads_the_decoder_weights_and_the_cache():
+@pytest.mark.parametrize('layout', ['t5x', 'fused'])  # stacked kernels: the same bytes
+def test_a_decode_step_reads_the_decoder_weights_and_the_cache(layout):
   config = get_config('test_tiny_1_1')
-  params = accelerator.random_params(config, layout='t5x')
+  params = accelerator.random_params(config, layout=layout)
   setup = step_costs.StepCostSetup(batch_size=2, source_length=5, cache_length=12)
   cache = accelerator.empty_cache(params, config, setup)
   e, h, d, m, v, layers = (config.emb_dim, config.num_heads, config.head_dim, config.mlp_dim,
@@ -120,9 +151,21 @@ def test_flags_are_checked():
     accelerator_bench._parse_args(['--sizes=base,huge'])
   args = accelerator_bench._parse_args(['--parts=e,a', '--positions=9,2,1'])
   assert args.parts == ['a', 'e'] and args.positions == [2, 9] and args.batch_sizes == [1, 8]
+  default = accelerator_bench._parse_args([])
+  assert default.positions == [2, 4, 6, 8, 9, 16, 32, 64]  # token trees' verify steps
+  assert default.variants == ['t5x_layout', 'dot_product_attention']
+  assert default.auto_gammas == [1, 2, 3] and default.dtypes == ['bfloat16', 'float32']
+  # Part a's cache holds the widest step after its cached positions.
+  assert accelerator_bench.Run(default, None, {}, '', '', None).setup(1).cache_length == 84
   tiny = accelerator_bench._parse_args(['--tiny'])
   assert tiny.sizes == ['tiny'] and tiny.batch_sizes == [1] and tiny.positions == [2, 4]
   assert tiny.decode_positions == [4]  # gamma 3 + 1
+  assert tiny.auto_gammas == [3]
+  chosen = accelerator_bench._parse_args(['--variants=', '--auto_gammas=', '--dtypes=float32'])
+  assert chosen.variants == [] and chosen.auto_gammas == [] and chosen.dtypes == ['float32']
+  for wrong in ('--variants=fast', '--dtypes=float16', '--auto_gammas=0', '--auto_gammas=x'):
+    with pytest.raises(SystemExit):
+      accelerator_bench._parse_args([wrong])
   widths = accelerator_bench._parse_args(['--gamma=2', '--decode_positions=0,gamma,5'])
   assert widths.decode_positions == [0, 3, 5]
   for narrow in ('2', 'four'):  # narrower than gamma + 1; not a width
@@ -214,6 +257,16 @@ def test_step_costs(tiny_run):
     assert _positive(entry['int8_draft']['c']) and _positive(entry['small_draft']['c'])
     draft = record['drafts']['small'][batch]
     assert _positive(draft['step_ms']) and _positive(draft['proposal_ms'])
+    # The A/B items: each variant's steps beside the run's own, target and draft.
+    assert record['layout'] == 'transposed'  # the CPU's; an accelerator's is 'fused'
+    for variants, fields in ((entry['variants'], ('step', 'verify')),
+                             (draft['variants'], ('step',))):
+      assert set(variants) == {'t5x_layout', 'dot_product_attention'}
+      assert variants['t5x_layout']['layout'] == 't5x'
+      assert variants['dot_product_attention']['decode_attention'] == 'dot_product_attention'
+      for variant in variants.values():
+        for field in fields:
+          assert _positive(variant[f'{field}_ms']) and _positive(variant[f'{field}_ratio'])
 
 
 def test_loop_overhead(tiny_run):
@@ -230,13 +283,18 @@ def test_table2_from_the_measured_costs(tiny_run):
   table = record['parts'][NAMES['c']]
   steps = record['parts'][NAMES['a']]['targets']['tiny']['batch_1']['steps']
   assert table['verify_cost'] == {k: s['V'] for k, s in steps.items() if k > 1}
+  assert table['branch_c'] == {'small': pytest.approx(table['c']['small'])}  # batch 1 only
   assert len(table['rows']) == 12
   for row in table['rows']:
     if row['draft'] == 'small':  # the only draft measured at tiny shapes
       assert _positive(row['c']) and _positive(row['predicted_speedup'])
       assert row['best_gamma'] in (1, 3)
+      chain, tree = row['best_chain'], row['best_tree']
+      assert chain['num_drafts'] == 1 and tree['speedup'] >= chain['speedup']
+      assert tree['positions'] == 1 + tree['num_drafts'] * tree['gamma'] <= 4
     else:
       assert row['c'] is None and row['predicted_speedup'] is None
+      assert row['best_chain'] is None and row['best_tree'] is None
 
 
 def test_end_to_end(tiny_run):
@@ -255,6 +313,20 @@ def test_end_to_end(tiny_run):
     assert spec['identical_outputs'] is (True if row['temperature'] == 0.0 else None)
     if row['temperature'] == 0.0:  # the same tokens, so as many
       assert spec['tokens'] == baseline['tokens']
+    # gamma='auto' in the first dtype, greedy: among 0 and gamma, the baseline's outputs.
+    if row['dtype'] == 'bfloat16' and row['temperature'] == 0.0:
+      auto = row['auto']
+      assert auto['identical_outputs'] is True and _positive(auto['speedup'])
+      assert auto['gammas'] == [3] and set(auto['gamma_counts']) <= {0, 3}
+      assert sum(auto['gamma_counts'].values()) == 1 + 2 * 8  # the first call, 2 repeats
+      assert auto['chose_baseline'] == (set(auto['gamma_counts']) == {0})
+      assert set(auto['calibration_speedups']) == {3} and auto['calibration_s'] > 0
+    else:
+      assert 'auto' not in row
+  summary = record['auto']
+  assert summary['floor'] == 0.97 and len(summary['rows']) == 1
+  assert summary['rows'][0]['batch'] == 1 and summary['rows'][0]['decode_positions'] == 4
+  assert summary['never_slower'] == (summary['rows'][0]['speedup'] >= 0.97)
 
 
 def test_drafters(tiny_run):

@@ -88,7 +88,7 @@ def test_off_cpu_the_model_never_calls_a_kernel(monkeypatch):
   monkeypatch.setattr(cpu_matmul, 'kernel_available', refuse)
   assert not cpu_matmul.use_kernel('kernel')
   assert cpu_matmul.kernel_status('kernel').startswith('XLA (platform gpu')
-  assert kernel_layout.decode_layout() == kernel_layout.T5X
+  assert kernel_layout.decode_layout() == kernel_layout.FUSED
   text = _trace_every_kernel_route(max_decode_length=11)
   assert 'custom_call' not in text
 

@@ -57,15 +57,37 @@ def test_one_row_mean_matches_the_exact_recursion(alpha, gamma, length):
   assert abs(simulated.mean() - calls[length]) < 4 * simulated.std() / math.sqrt(20000)
 
 
+@pytest.mark.parametrize('alpha, gamma, length', [(0.6, 3, 12), (0.9, 5, 20), (0.98, 9, 13)])
+def test_one_row_expectation_is_the_exact_recursion(alpha, gamma, length):
+  """Batch 1: expected_batch_iterations (exact) against cost_model's expected target
+  calls for an output of `length` tokens (an independent recursion)."""
+  calls, _ = cost_model.expected_calls_and_drafts(alpha, gamma, length)
+  steps, iterations = expected_batch_iterations([length], alpha, gamma, batch_size=1)
+  assert steps == length
+  assert iterations == pytest.approx(calls[length], rel=1e-9)
+
+
 def test_a_batch_takes_its_longest_row():
-  steps, iterations = expected_batch_iterations([5, 30], 1.0, 4, batch_size=8, samples=4096)
+  steps, iterations = expected_batch_iterations([5, 30], 1.0, 4, batch_size=8)
   # 8 rows of 5 or 30 tokens: the longest is 30 unless all 8 drew 5.
-  assert steps == pytest.approx(30 - 25 / 2**8, abs=0.5)
-  assert iterations == pytest.approx(6 - 5 / 2**8, abs=0.1)  # ceil(30 / 5) = 6, or 1
-  steps_one, iterations_one = expected_batch_iterations([5, 30], 1.0, 4, batch_size=1,
-                                                        samples=4096)
-  assert steps_one == pytest.approx(17.5, abs=0.7)
-  assert iterations_one == pytest.approx(3.5, abs=0.1)
+  assert steps == pytest.approx(30 - 25 / 2**8, rel=1e-12)
+  assert iterations == pytest.approx(6 - 5 / 2**8, rel=1e-12)  # ceil(30 / 5) = 6, or 1
+  steps_one, iterations_one = expected_batch_iterations([5, 30], 1.0, 4, batch_size=1)
+  assert steps_one == pytest.approx(17.5) and iterations_one == pytest.approx(3.5)
+
+
+@pytest.mark.parametrize('seed', range(3))
+def test_the_batch_expectation_is_the_simulations_mean(seed):
+  """Batches of rows drawn from the lengths seen, each row's iterations drawn
+  (row_iterations): their most, averaged, is the exact expectation."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, 40, 30)
+  alpha, gamma, batch = float(rng.uniform(0.2, 0.95)), int(rng.choice([1, 3, 9])), 8
+  drawn = rng.choice(lengths, size=(20000, batch))
+  iterations = row_iterations(drawn, alpha, gamma, rng).max(axis=1)
+  expected_steps, expected_iterations = expected_batch_iterations(lengths, alpha, gamma, batch)
+  assert abs(drawn.max(axis=1).mean() - expected_steps) < 4 * drawn.max(axis=1).std() / math.sqrt(20000)
+  assert abs(iterations.mean() - expected_iterations) < 4 * iterations.std() / math.sqrt(20000)
 
 
 def _brute_force_best(costs: BatchCosts, length: int, min_speedup: float) -> int:
@@ -383,3 +405,134 @@ def test_calibration_batches_spread_over_the_run():
   assert infer_script.calibration_sample(pending, 12) == pending
   assert infer_script.calibration_sample(pending[:3], 3) == pending[:3]
   assert infer_script.calibration_batch_count(4) == 12 and infer_script.calibration_batch_count(32) == 3
+
+
+# ----------------------------------------------------------------------------------
+# On an accelerator: asynchronous dispatch, compiles, the device in the key.
+
+
+class _DeviceClock:
+  """Simulated seconds: a call's compile moves it at once (the host waits for XLA); a
+  decode's device work only when the caller waits for the result."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+class _DeviceWork:
+  """A result still being computed on the device: jax.block_until_ready (which calls
+  this leaf's block_until_ready) moves the clock on by its seconds, once."""
+
+  def __init__(self, clock, seconds):
+    self.clock, self.seconds = clock, seconds
+
+  def block_until_ready(self):
+    self.clock.now += self.seconds
+    self.seconds = 0.0
+    return self
+
+
+class _SimulatedDevice:
+  """The baseline and speculative decoders of a device where a baseline step takes
+  step_seconds and an iteration with gamma g iteration_seconds(g) (every draft
+  accepted: alpha 1); the first call on a (gamma, shape) compiles for compile_seconds."""
+
+  def __init__(self, step_seconds, iteration_seconds, lengths, compile_seconds=100.0):
+    self.clock = _DeviceClock()
+    self.step_seconds, self.iteration_seconds = step_seconds, iteration_seconds
+    self.lengths = np.asarray(lengths, np.int32)
+    self.compile_seconds = compile_seconds
+    self.compiled = set()
+
+  def _dispatch(self, gamma, batch, device_seconds):
+    if (gamma, batch.shape) not in self.compiled:
+      self.compiled.add((gamma, batch.shape))
+      self.clock.now += self.compile_seconds
+    return _DeviceWork(self.clock, device_seconds)
+
+  def _output(self, work):
+    rows = len(self.lengths)
+    return auto_gamma.DecodeOutput(
+        tokens=np.ones((rows, 32), np.int32), token_log_probs=np.zeros((rows, 32), np.float32),
+        log_prob=work, lengths=self.lengths, nonfinite_logits=np.zeros((rows,), bool))
+
+  def baseline(self, batch):
+    steps = int(self.lengths.max())
+    return self._output(self._dispatch(0, batch, steps * self.step_seconds))
+
+  def speculative(self, batch, spec):
+    iterations = -(-self.lengths // (spec.gamma + 1))  # [b]
+    calls = int(iterations.max())
+    work = self._dispatch(spec.gamma, batch,
+                          calls * self.iteration_seconds(spec.gamma))
+    drafted = int(np.sum(np.minimum(self.lengths, iterations * spec.gamma)))
+    stats = auto_gamma.SpeculativeStats(
+        target_calls=np.int32(calls), draft_calls=np.int32(calls * spec.gamma),
+        row_target_calls=iterations.astype(np.int32),
+        accepted_per_position=np.zeros((spec.gamma,), np.int32),
+        num_accepted_counts=np.zeros((spec.gamma + 1,), np.int32),
+        overlap_sum=np.float32(drafted), verified_positions=np.int32(drafted),
+        num_drafted_counts=np.zeros((spec.gamma + 1,), np.int32),
+        target_positions=np.int32(calls * (spec.gamma + 1)))
+    return auto_gamma.SpeculativeOutput(output=self._output(work), stats=stats)
+
+
+def _on_device(device):
+  decoder = AutoGammaDecoder(device.baseline, device.speculative, SpeculativeConfig(gamma=3),
+                             batch_size=2, gammas=(1, 3), clock=device.clock)
+  batches = [np.zeros((2, 5), np.int32), np.ones((2, 5), np.int32)]
+  decoder.calibrate(batches, rounds=(2, 2))
+  return decoder, batches
+
+
+@pytest.mark.parametrize('draft_cost, expected', [(1.2, 0), (0.05, 3)])
+def test_on_a_simulated_device_calibration_times_the_device_work_and_no_compile(
+    draft_cost, expected):
+  """Asynchronous dispatch: a call returns before its work is done, so a timing that did
+  not wait would see no time at all; compiles (100 s each) would swamp 20 ms decodes.
+  The costs measured are the device's, exactly, and the choice follows them: the
+  baseline where a draft step costs more than a target step (a launch-bound draft on a
+  GPU), gamma 3 where it costs 0.05 of one."""
+  device = _SimulatedDevice(step_seconds=1e-3,
+                            iteration_seconds=lambda g: 1e-3 * (1.0 + draft_cost * g),
+                            lengths=[12, 20])
+  decoder, batches = _on_device(device)
+  assert decoder.costs.step_seconds == pytest.approx(1e-3)
+  for gamma in (1, 3):
+    assert decoder.costs.iteration_seconds[gamma] == pytest.approx(
+        1e-3 * (1.0 + draft_cost * gamma))
+  assert decoder.alpha == pytest.approx(1.0)
+  for batch in batches * 3:
+    before = device.clock.now
+    decoder.ready(batch)
+    decoder(batch)
+    assert device.clock.now - before < 1.0  # nothing compiles once calibrated
+  assert decoder.gamma_counts == {expected: 6}
+
+
+class _FakeDevice:
+  platform = 'gpu'
+
+  def __init__(self, device_kind):
+    self.device_kind = device_kind
+
+
+def test_calibrations_are_keyed_by_the_device_and_the_dtype(monkeypatch, tmp_path):
+  keys = {}
+  for kind in ('NVIDIA H200', 'NVIDIA H100 80GB HBM3'):
+    monkeypatch.setattr(jax, 'devices', lambda *args, kind=kind: [_FakeDevice(kind)])
+    monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+    for dtype in ('bfloat16', 'float32'):
+      config = get_config('test_tiny_1_1', dtype=dtype, param_dtype=dtype)
+      keys[kind, dtype] = infer_script.calibration_key(
+          config, T5Drafter(get_config('test_tiny_1_0')), GREEDY,
+          SpeculativeConfig(gamma='auto'), input_length=8, max_decode_length=16)
+  assert keys['NVIDIA H200', 'bfloat16']['machine']['device'] == 'NVIDIA H200'
+  assert keys['NVIDIA H200', 'bfloat16']['machine']['platform'] == 'gpu'
+  assert 'cpu' not in keys['NVIDIA H200', 'bfloat16']['machine']  # no host CPU on a GPU
+  cache = GammaCostCache(tmp_path)
+  paths = {cache.path(key) for key in keys.values()}
+  assert len(paths) == 4  # each device and dtype has its own calibration

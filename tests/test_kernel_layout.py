@@ -73,8 +73,8 @@ def test_conversion_transposes_exactly_the_kernels(name):
 def test_layout_by_platform():
   variables = _variables('test_tiny_1_1')
   assert kernel_layout.decode_layout('cpu') == kernel_layout.TRANSPOSED
-  assert kernel_layout.decode_layout('tpu') == kernel_layout.T5X
-  assert kernel_layout.decode_layout('gpu') == kernel_layout.T5X
+  assert kernel_layout.decode_layout('tpu') == kernel_layout.FUSED
+  assert kernel_layout.decode_layout('gpu') == kernel_layout.FUSED
   assert kernel_layout.has_transposed_kernels(kernel_layout.for_decoding(variables, 'cpu'))
   assert not kernel_layout.has_transposed_kernels(kernel_layout.for_decoding(variables, 'tpu'))
   with pytest.raises(ValueError, match='kernel layout'):

@@ -6,11 +6,13 @@ import functools
 from typing import Any, Mapping
 
 import flax.traverse_util
+import jax
 import numpy as np
 
 from jaxspec.config import T5Config
 from jaxspec.errors import InvalidSetting
 from jaxspec.model import abstract_params
+from jaxspec.model.accelerator import layout as accelerator_layout
 from jaxspec.model.layers import KERNEL_PARAM, KERNEL_T_PARAM
 
 
@@ -43,7 +45,7 @@ def check_params(params: Mapping[str, Any], config: T5Config,
   """Raises ValueError unless `params` has exactly the paths and shapes of `config`.
 
   `params` is the nested 'params' collection (or {'params': ...}); leaves are any
-  arrays (numpy, jax, ShapeDtypeStruct); kernels in either layout
+  arrays (numpy, jax, ShapeDtypeStruct); kernels in any layout
   (jaxspec.model.cpu.layout), reported by their T5X path. The error names the first
   path, in sorted order, that is missing, unexpected or of the wrong shape, with both
   shapes.
@@ -51,6 +53,9 @@ def check_params(params: Mapping[str, Any], config: T5Config,
   """
   if set(params) == {'params'}:
     params = params['params']
+  # Stacked kernels (the accelerator layout) as T5X's separate ones, by shape alone.
+  params = accelerator_layout.unfused_kernels(jax.tree_util.tree_map(
+      lambda leaf: jax.ShapeDtypeStruct(_shape(leaf), np.float32), params))
   actual = dict(_t5x_path_and_shape(path, _shape(leaf))
                 for path, leaf in flatten_params(params).items())
   expected = expected_shapes(config)

@@ -12,7 +12,7 @@ The model. A batch decodes until its longest row ends.
   speculative:  time = iterations x iteration_seconds[g], iterations = the most any row takes
 Each iteration of a row accepts its drafts up to the first rejection, each accepted with
 probability alpha (the paper's i.i.d. model, Section 3.1), and adds one token.
-E[iterations] and E[steps] come from simulating batches of the output lengths seen so far
+E[iterations] and E[steps] follow exactly from the output lengths seen so far and alpha
 (`expected_batch_iterations`); step_seconds and iteration_seconds[g] are measured on the
 machine, for the pair and the batch size (`BatchCosts`, by `AutoGammaDecoder.calibrate`
 from whole decodes, so the loop's own bookkeeping is in them), and alpha is the running
@@ -25,6 +25,12 @@ few batches, and scales the other gammas' predictions alike (`with_realized`: wh
 moves one gamma off its prediction, the run's batches or the machine's speed, moves all
 of them), so a gamma that does worse in the run than the others would is dropped.
 
+The same on every platform: each timing waits for the decoder's outputs on the device
+(`jax.block_until_ready`; on a GPU or TPU a call returns as soon as its work is queued),
+a decoder runs once untimed on shapes it has not decoded (it compiles), calibrations are
+keyed by the device kind and count besides the models (their dtype among their settings)
+and the batch size, and the choice is arithmetic on the seconds measured.
+
 `choose_gamma` is pure (a cost table and alpha in, gamma out); `AutoGammaDecoder` decodes
 batches with it, measuring as it goes; `GammaCostCache` keeps calibrations in JSON files
 keyed by machine, pair, dtype, platform and batch size, so a later run starts from them.
@@ -33,6 +39,7 @@ keyed by machine, pair, dtype, platform and batch size, so a later run starts fr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -105,8 +112,9 @@ class BatchCosts:
 def row_iterations(lengths: np.ndarray, alpha: float, gamma: int,
                    rng: np.random.Generator) -> np.ndarray:
   """Iterations each row of lengths [...] (its tokens, EOS included) takes under the
-  i.i.d. acceptance model: per iteration min(Geometric, gamma) accepted drafts plus one
-  token. -> [...] int."""
+  i.i.d. acceptance model, drawn: per iteration min(Geometric, gamma) accepted drafts
+  plus one token. -> [...] int. (A simulation of what expected_batch_iterations
+  computes exactly.)"""
   produced = np.zeros(lengths.shape, np.int64)
   iterations = np.zeros(lengths.shape, np.int64)
   while np.any(produced < lengths):
@@ -122,18 +130,54 @@ def row_iterations(lengths: np.ndarray, alpha: float, gamma: int,
   return iterations
 
 
+def iteration_tokens(alpha: float, gamma: int) -> np.ndarray:
+  """[gamma + 2]: P(an iteration adds j tokens), j = 0..gamma + 1: its drafts accepted
+  up to the first rejection, at most gamma (each with probability alpha), plus one."""
+  accepted = np.arange(gamma + 1)
+  probs = np.zeros(gamma + 2)
+  probs[1:] = float(alpha) ** accepted * np.where(accepted < gamma, 1.0 - alpha, 1.0)
+  return probs
+
+
+@functools.lru_cache(maxsize=64)
+def done_within(longest: int, alpha: float, gamma: int) -> np.ndarray:
+  """[K + 1, L + 1] with K = L = longest: entry [k, n] is P(a row of n tokens is done
+  within k iterations) = P(k iterations add at least n tokens) (a row needs at most n).
+  The distribution of the tokens k iterations add, capped at L, convolved step by step."""
+  step = iteration_tokens(alpha, gamma)
+  tokens = np.zeros(longest + 1)  # [L + 1] after k iterations; index L holds >= L
+  tokens[0] = 1.0
+  done = np.empty((longest + 1, longest + 1))
+  for k in range(longest + 1):
+    done[k] = np.concatenate([[1.0], 1.0 - np.cumsum(tokens)[:-1]])  # P(tokens >= n)
+    spread = np.convolve(tokens, step)  # [L + gamma + 2]
+    tokens = np.concatenate([spread[:longest], [spread[longest:].sum()]])
+  done = np.clip(done, 0.0, 1.0)
+  done.flags.writeable = False  # shared by every caller (cached)
+  return done
+
+
 def expected_batch_iterations(lengths: Sequence[int], alpha: float, gamma: int,
-                              batch_size: int, samples: int = 512,
-                              seed: int = 0) -> tuple[float, float]:
+                              batch_size: int) -> tuple[float, float]:
   """(E[baseline steps], E[speculative iterations]) of a batch of batch_size rows whose
   lengths are drawn from `lengths` (outputs seen, EOS included): the longest row's
-  tokens, and the most iterations any row takes with `gamma` at `alpha`."""
-  rng = np.random.default_rng(seed)
-  drawn = rng.choice(np.asarray(lengths, np.int64), size=(samples, batch_size))
-  steps = drawn.max(axis=1).mean()
+  tokens, and the most iterations any row takes with `gamma` at `alpha`.
+
+  Exact, not simulated: the most of B i.i.d. draws is at most m with probability
+  P(one is)^B, so E[most] = sum_m (1 - P(one <= m)^B), over the lengths' frequencies
+  and each length's iterations (done_within). Milliseconds: a decision runs between
+  batches, which take tens of milliseconds on an accelerator (a simulation of 512
+  batches took 0.1-0.4 s a decision there, a tenth of the run's time and more)."""
+  lengths = np.asarray(lengths, np.int64)
+  longest = int(lengths.max())
+  frequency = np.bincount(lengths, minlength=longest + 1) / lengths.size  # [L + 1]
+  at_most = np.cumsum(frequency)  # [L + 1]: P(a row's length <= m)
+  steps = float(np.sum(1.0 - at_most[:-1] ** batch_size))
   if gamma == 0:
-    return float(steps), float(steps)
-  return float(steps), float(row_iterations(drawn, alpha, gamma, rng).max(axis=1).mean())
+    return steps, steps
+  # [K + 1]: P(a drawn row is done within k iterations)
+  done = done_within(longest, round(float(alpha), 12), gamma) @ frequency
+  return steps, float(np.sum(1.0 - np.minimum(done[:-1], 1.0) ** batch_size))
 
 
 def model_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
@@ -260,10 +304,13 @@ class GammaCostCache:
     os.replace(scratch, path)
 
 
-def _timed(decode: Callable, batch):
-  start = time.perf_counter()
+def _timed(decode: Callable, batch, clock: Callable[[], float] = time.perf_counter):
+  """(output, seconds) of decode(batch), its device work waited for: on a GPU or TPU the
+  call returns once its work is queued, so the clock stops only when every output array
+  is ready (jax.block_until_ready), whatever the platform."""
+  start = clock()
   output = jax.block_until_ready(decode(batch))
-  return output, time.perf_counter() - start
+  return output, clock() - start
 
 
 class _ChoosingDecoder:
@@ -278,12 +325,14 @@ class _ChoosingDecoder:
   REALIZED_BATCHES = 4
   PLAIN_STEPS = 64  # plain steps of the run's own before its step cost replaces calibration
 
-  def __init__(self, gammas: Sequence[int], min_speedup: float):
+  def __init__(self, gammas: Sequence[int], min_speedup: float,
+               clock: Callable[[], float] = time.perf_counter):
     self.gammas = tuple(sorted(set(int(g) for g in gammas)))
     if not self.gammas or self.gammas[0] < 1:
       raise InvalidSetting(f'auto gammas must be integers >= 1 (0, the plain decoder, is always '
                            f'a choice), got {tuple(gammas)!r}')
     self.min_speedup = min_speedup
+    self.clock = clock  # seconds; every timing waits for the device (_timed)
     self.gamma_counts: dict[int, int] = {}
     self._next: int | None = None  # decided by ready() for the next call
     self._compiled: set = set()  # (gamma, batch shapes) that have run
@@ -345,7 +394,7 @@ class _ChoosingDecoder:
       seconds = {g: 0.0 for g in candidates}
       for batch in batches:
         for gamma in candidates:
-          output, elapsed = _timed(self._decoder(gamma), batch)
+          output, elapsed = _timed(self._decoder(gamma), batch, self.clock)
           seconds[gamma] += elapsed
           if repeat == 0:
             outputs[gamma].append(output)
@@ -368,7 +417,7 @@ class _ChoosingDecoder:
     # against a tenth of a second of decoding), and the decoder dropped the best gamma.
     self._compile(gamma, batch)
     self.gamma_counts[gamma] = self.gamma_counts.get(gamma, 0) + 1
-    output, seconds = _timed(self._decoder(gamma), batch)
+    output, seconds = _timed(self._decoder(gamma), batch, self.clock)
     steps = self._work(output)
     if gamma == 0:
       self._plain_seconds += seconds
@@ -391,14 +440,15 @@ class AutoGammaDecoder(_ChoosingDecoder):
   spec is `spec` with the chosen gamma (verify_lengths kept where they fit it).
   Calling the decoder returns a SpeculativeOutput whatever it chose (a baseline decode as
   gamma 0: `as_speculative_output`); `gamma_counts` says how often it chose each gamma.
+  clock: the seconds every timing reads (a test's simulated device, say).
   """
 
   def __init__(self, decode_baseline: Callable, decode_speculative: Callable,
                spec: SpeculativeConfig, *, batch_size: int,
                gammas: Sequence[int] = DEFAULT_GAMMAS, key: Mapping[str, Any] | None = None,
                cache: GammaCostCache | None = None, min_speedup: float = MIN_SPEEDUP,
-               refresh_batches: int = 32):
-    super().__init__(gammas, min_speedup)
+               refresh_batches: int = 32, clock: Callable[[], float] = time.perf_counter):
+    super().__init__(gammas, min_speedup, clock)
     self.decode_baseline, self.decode_speculative = decode_baseline, decode_speculative
     self.spec, self.batch_size = spec, batch_size
     self.key = (None if key is None else

@@ -12,17 +12,25 @@ unused going to the later ones, and the items past a part's deadline skipped and
      gamma tokens by T5.1.1-small and by the target's own decoder in int8 (jaxspec's
      Int8Drafter, through plain XLA), hence c = draft step / target step; and the
      fraction of the device's peak memory bandwidth each step reaches (the bytes of
-     weights and cache a step reads / its time / the peak of PEAK_BANDWIDTH).
+     weights and cache a step reads / its time / the peak of PEAK_BANDWIDTH). Each of
+     --variants times the target's steps over 1 and gamma + 1 positions and the small
+     draft's step again with one change undone or made (T5X's unfused kernels; the
+     attention through jax.nn.dot_product_attention), interleaved with the rest.
   b  the jitted speculative loop per iteration against a proposal and a verify step
      timed apart (T5.1.1 --loop_size target, small draft, batch 1): the while loop's
      overhead on this device.
   c  the paper's Table 2 (T5-XXL target; small, base and large drafts; EnDe and CNNDM;
      T=0 and 1) predicted from part a's c and V(gamma + 1) with the paper's alphas
-     (Table 3), the best gamma per row, beside the paper's walltime speedups.
-  d  end to end in bfloat16 and float32: the baseline and speculative decoding (the
-     --pair's small draft) at each batch size, T=0 and 1, over the first --examples
-     validation inputs: tokens/s, speedup, identical greedy outputs within each dtype;
-     for each of --decode_positions (the target's fixed step width; default gamma + 1).
+     (Table 3), the best gamma per row, beside the paper's walltime speedups; and the
+     best chain and the best token tree (num_drafts x gamma) sized from the measured
+     V(k) (jaxspec.measure.tree_sizing), side by side.
+  d  end to end in each of --dtypes (bfloat16, float32): the baseline and speculative
+     decoding (the --pair's small draft) at each batch size, T=0 and 1, over the first
+     --examples validation inputs: tokens/s, speedup, identical greedy outputs within
+     each dtype; for each of --decode_positions (the target's fixed step width; default
+     gamma + 1). In the first dtype at T=0 also gamma='auto' (choosing among 0, the
+     baseline, and --auto_gammas, calibrated on the same inputs): its speedup, whether
+     it chose the baseline, identical outputs.
   e  the drafters that make sense on the device, in bfloat16 at batch 1: the target's
      int8 self-draft through XLA and the trained T5 drafts: c (proposal / gamma target
      steps), alpha and the speedup measured end to end, and the speedup those predict.
@@ -50,9 +58,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import inference, machine
-from jaxspec.config import CPU_MATMULS, CPU_MATMUL_XLA, get_config
+from jaxspec.config import (CPU_MATMULS, CPU_MATMUL_XLA, DECODE_ATTENTION_EINSUM,
+                            DECODE_ATTENTION_JAX, get_config)
 from jaxspec.decoding.drafters import Int8Drafter, SharedEncoderDrafterWithTarget, T5Drafter
 from jaxspec.measure import accelerator, step_costs
+from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.model.cpu import matmul as cpu_matmul_lib
 from jaxspec.launch import command
 
@@ -62,6 +72,9 @@ PART_NAMES = {'a': 'step_costs', 'b': 'loop_overhead', 'c': 'table2', 'd': 'end_
 # Shares of the budget: step costs compile the most programs (a decode loop per size,
 # batch and k), the end-to-end parts a decode loop per dtype, batch and temperature.
 SHARES = {'a': 0.45, 'b': 0.1, 'c': 0.0, 'd': 0.25, 'e': 0.2}
+# Part a's A/B items: name -> (kernel layout, None for the run's own; decode_attention).
+VARIANTS = {'t5x_layout': (kernel_layout.T5X, DECODE_ATTENTION_EINSUM),
+            'dot_product_attention': (None, DECODE_ATTENTION_JAX)}
 SIZES = {'small': 't5_1_1_small', 'base': 't5_1_1_base', 'large': 't5_1_1_large',
          'xl': 't5_1_1_xl', 'xxl': 't5_1_1_xxl'}
 TARGET_SIZES = ('base', 'large', 'xl', 'xxl')
@@ -70,6 +83,9 @@ TINY_LAYERS = {'num_encoder_layers': 1, 'num_decoder_layers': 1}  # --tiny compi
 TINY_SIZE = 'tiny'
 DTYPES = ('bfloat16', 'float32')  # part d; the accelerators' own first
 TEMPERATURES = (0.0, 1.0)
+DEFAULT_POSITIONS = '2,4,6,8,9,16,32,64'
+# gamma='auto' must decode at least this fraction of the baseline's speed (part d).
+AUTO_FLOOR = 0.97
 
 
 def _parse_args(argv):
@@ -90,7 +106,11 @@ def _parse_args(argv):
                       help='parts a and d (default 1,8; 1 with --tiny: fewer compiles)')
   parser.add_argument('--positions', default=None,
                       help='k of the verify steps timed in part a, 1 added (default '
-                      '2,4,6,8,9; 2,4 with --tiny)')
+                      '2,4,6,8,9,16,32,64: token trees verify 1 + num_drafts x gamma; '
+                      '2,4 with --tiny)')
+  parser.add_argument('--variants', default=','.join(VARIANTS),
+                      help='part a A/B items, each timed beside the run\'s own steps: '
+                      f'among {",".join(VARIANTS)} (empty: none)')
   parser.add_argument('--gamma', type=int, default=3,
                       help='draft tokens per proposal in parts a, b, d and e')
   parser.add_argument('--repeats', type=int, default=None,
@@ -114,6 +134,12 @@ def _parse_args(argv):
                       "comma-separated list (part d runs each; e the last): 0 (steps as "
                       "wide as their tokens) or a width; 'gamma' is gamma + 1, the width "
                       'that keeps greedy outputs identical (default)')
+  parser.add_argument('--dtypes', default=','.join(DTYPES),
+                      help=f'part d\'s dtypes, among {",".join(DTYPES)}')
+  parser.add_argument('--auto_gammas', default='gamma',
+                      help="part d: gamma='auto' chooses among 0 and these (in the first "
+                      "dtype, T=0); 'gamma' is 1..gamma (every one within the fixed-width "
+                      "steps; gamma alone with --tiny), empty: no gamma='auto' rows")
   parser.add_argument('--seed', type=int, default=0)
   command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
@@ -131,8 +157,23 @@ def _parse_args(argv):
   args.batch_sizes = [int(b) for b in (args.batch_sizes or ('1' if args.tiny else '1,8'))
                       .split(',') if b]
   args.positions = sorted({int(k) for k in (args.positions or ('2,4' if args.tiny else
-                                                                 '2,4,6,8,9')).split(',')
+                                                                 DEFAULT_POSITIONS)).split(',')
                            if k} - {1})
+  args.variants = [v for v in args.variants.split(',') if v]
+  if set(args.variants) - set(VARIANTS):
+    parser.error(f'unknown variants {sorted(set(args.variants) - set(VARIANTS))}; known: '
+                 f'{",".join(VARIANTS)}')
+  args.dtypes = [d for d in args.dtypes.split(',') if d]
+  if not args.dtypes or set(args.dtypes) - set(DTYPES):
+    parser.error(f'--dtypes: among {",".join(DTYPES)}')
+  try:  # 'gamma': 1..gamma (gamma alone with --tiny: no programs beyond part d's own)
+    args.auto_gammas = (([args.gamma] if args.tiny else list(range(1, args.gamma + 1)))
+                        if args.auto_gammas == 'gamma' else
+                        sorted({int(g) for g in args.auto_gammas.split(',') if g}))
+  except ValueError:
+    parser.error(f"--auto_gammas takes integers or 'gamma', got {args.auto_gammas!r}")
+  if any(g < 1 for g in args.auto_gammas):
+    parser.error('--auto_gammas: each >= 1 (0, the baseline, is always a choice)')
   if any(k < 2 for k in args.positions) or any(b < 1 for b in args.batch_sizes):
     parser.error('positions must be >= 2 and batch sizes >= 1')
   if args.gamma < 1:
@@ -172,13 +213,17 @@ class Run:
     return get_config(SIZES[size], **overrides)
 
   def setup(self, batch: int, source_length: int | None = None) -> step_costs.StepCostSetup:
+    """Part a's steps run from cache_position, in a cache that holds the widest verify
+    step of --positions after it."""
+    position, length = (3, 16) if self.args.tiny else (20, 64)
+    length = max(length, position + max(self.args.positions, default=1))
     if self.args.tiny:
       return step_costs.StepCostSetup(batch_size=batch, source_length=source_length or 6,
-                                      cache_position=3, cache_length=16, steps_per_call=2,
-                                      repeats=self.args.repeats)
+                                      cache_position=position, cache_length=length,
+                                      steps_per_call=2, repeats=self.args.repeats)
     return step_costs.StepCostSetup(batch_size=batch, source_length=source_length or 40,
-                                    cache_position=20, cache_length=64, steps_per_call=10,
-                                    repeats=self.args.repeats)
+                                    cache_position=position, cache_length=length,
+                                    steps_per_call=10, repeats=self.args.repeats)
 
   def write(self) -> None:
     """The record as JSON and markdown, each replaced atomically."""
@@ -208,8 +253,56 @@ def _error(error: BaseException) -> dict:
 # Part a: step costs.
 
 
+def _variant(params, config, name: str):
+  """(params, config) of a part-a variant (VARIANTS): params in its layout (the run's own
+  where it names none), config with its decode_attention."""
+  layout, attention = VARIANTS[name]
+  return (params if layout is None else kernel_layout.to_layout(params, layout),
+          config.replace(decode_attention=attention))
+
+
+def _variant_calls(run: Run, params, config, setup, cache, positions
+                   ) -> tuple[dict, dict[str, str]]:
+  """({('variant', name, k): call}, {name: error}) for each of --variants: its steps over
+  `positions`, each run once here (it compiles), so a variant the device refuses (a
+  kernel it lacks) is recorded and the item's other calls still run."""
+  calls, errors = {}, {}
+  for name in run.args.variants:
+    try:
+      variant_params, variant_config = _variant(params, config, name)
+      named = {('variant', name, k): call for k, call in accelerator.step_calls(
+          variant_params, variant_config, setup, positions, cache).items()}
+      for call in named.values():
+        jax.block_until_ready(call())
+      calls.update(named)
+    except Exception as error:  # noqa: BLE001
+      errors[name] = _error(error)['error']
+  return calls, errors
+
+
+def _variant_entries(run: Run, times, setup, positions, errors) -> dict:
+  """{variant: {'step_ms' (k = 1), 'verify_ms' (the widest of positions), and their
+  ratios to the run's own steps (median over repetitions; > 1: the variant is slower)}
+  or {'error'}}."""
+  out = {}
+  for name in run.args.variants:
+    if name in errors:
+      out[name] = {'error': errors[name]}
+      continue
+    layout, attention = VARIANTS[name]
+    entry = {'layout': layout or kernel_layout.decode_layout(), 'decode_attention': attention}
+    for field, k in (('step', 1), ('verify', max(positions))):
+      if k == 1 and field == 'verify':
+        continue
+      entry[f'{field}_ms'] = 1e3 * accelerator.step_seconds(times, ('variant', name, k), setup)
+      entry[f'{field}_ratio'] = accelerator.ratio(times, ('variant', name, k), ('step', k))
+    out[name] = entry
+  return out
+
+
 def _measure_draft(run: Run, batch: int) -> dict:
-  """T5.1.1-small (the tiny draft with --tiny): its one-position step and proposal."""
+  """T5.1.1-small (the tiny draft with --tiny): its one-position step and proposal, and
+  its step in each of --variants."""
   args = run.args
   setup = run.setup(batch)
   config = run.config('small')
@@ -218,13 +311,15 @@ def _measure_draft(run: Run, batch: int) -> dict:
   calls = {('step', 1): accelerator.step_calls(params, config, setup, [1], cache)[1]}
   calls.update({('proposal', n): call for n, call in accelerator.proposal_calls(
       T5Drafter(config), params, setup, args.gamma).items()})
-  times, first = accelerator.time_calls(calls, args.repeats)
+  variant_calls, errors = _variant_calls(run, params, config, setup, cache, [1])
+  times, first = accelerator.time_calls({**calls, **variant_calls}, args.repeats)
   step = accelerator.step_seconds(times, ('step', 1), setup)
   proposal = accelerator.slope_seconds(times, ('proposal',))
   step_bytes = accelerator.decode_step_bytes(params, config, cache)
   return {'config': config_name(run, 'small'), 'parameters': accelerator.parameter_count(params),
           'step_bytes': step_bytes, 'step_ms': 1e3 * step, 'proposal_ms': 1e3 * proposal,
           'bandwidth_fraction': accelerator.bandwidth_fraction(step_bytes, step, run.peak),
+          'variants': _variant_entries(run, times, setup, [1], errors),
           'first_calls_s': first}
 
 
@@ -249,7 +344,12 @@ def _measure_target(run: Run, size: str, batch: int, draft: dict | None) -> dict
   int8 = SharedEncoderDrafterWithTarget(Int8Drafter(config), config)
   calls.update({('int8', n): call for n, call in accelerator.proposal_calls(
       int8, {'draft': int8_params, 'target': params}, setup, args.gamma).items()})
-  times, first = accelerator.time_calls(calls, args.repeats)
+  variant_positions = [1, args.gamma + 1]
+  variant_calls, errors = _variant_calls(run, params, config, setup, cache, variant_positions)
+  if variant_calls:  # the run's own steps beside them
+    calls.update({('step', k): call for k, call in accelerator.step_calls(
+        params, config, setup, variant_positions, cache).items() if ('step', k) not in calls})
+  times, first = accelerator.time_calls({**calls, **variant_calls}, args.repeats)
   step_bytes = accelerator.decode_step_bytes(params, config, cache)
   step = accelerator.step_seconds(times, ('step', 1), setup)
   steps = {}
@@ -268,6 +368,7 @@ def _measure_target(run: Run, size: str, batch: int, draft: dict | None) -> dict
           'step_bytes': int8_bytes,
           'bandwidth_fraction': accelerator.bandwidth_fraction(
               args.gamma * int8_bytes, proposal, run.peak)},
+      'variants': _variant_entries(run, times, setup, variant_positions, errors),
       'first_calls_s': first}
   if draft and 'step_ms' in draft:
     entry['small_draft'] = {'c': draft['step_ms'] / (1e3 * step),
@@ -278,6 +379,7 @@ def _measure_target(run: Run, size: str, batch: int, draft: dict | None) -> dict
 def part_step_costs(run: Run) -> dict:
   args = run.args
   out = {'dtype': 'bfloat16', 'gamma': args.gamma, 'positions': [1] + args.positions,
+         'layout': kernel_layout.decode_layout(), 'variants': args.variants,
          'setup': {f.name: getattr(run.setup(1), f.name)
                    for f in dataclasses.fields(step_costs.StepCostSetup)
                    if f.name != 'batch_size'},
@@ -367,16 +469,37 @@ def part_table2(run: Run) -> dict:
     if size in measured and size != target:
       draft_c[size] = step_part['targets'][size]['batch_1']['steps'][1]['ms'] / one
   verify_cost = {k: s['V'] for k, s in target_entry['steps'].items() if k > 1}
-  rows = accelerator.table2_predictions(draft_c, verify_cost)
+  # A tree's m branches are drafted as a batch of m rows: c by the batches measured.
+  draft_steps = {'small': {int(batch.split('_')[-1]): entry['step_ms']
+                           for batch, entry in step_part['drafts']['small'].items()
+                           if 'step_ms' in entry}}
+  for size in ('base', 'large'):
+    if size in measured and size != target:
+      draft_steps[size] = {int(batch.split('_')[-1]): entry['steps'][1]['ms']
+                           for batch, entry in step_part['targets'][size].items()
+                           if 'steps' in entry}
+  branch_c = {draft: accelerator.draft_cost_by_branches(steps, one)
+              for draft, steps in draft_steps.items() if steps}
+  rows = accelerator.table2_predictions(draft_c, verify_cost, branch_c=branch_c)
   for row in rows:
     if row['predicted_speedup'] is not None:
       print(f"c: {row['task']} {row['draft']} T={row['temperature']}: predicted "
-            f"{row['predicted_speedup']:.2f}x at gamma {row['best_gamma']} "
+            f"{row['predicted_speedup']:.2f}x at gamma {row['best_gamma']}; best chain "
+            f"{_shape(row['best_chain'])}, best tree {_shape(row['best_tree'])} "
             f"(paper {row['paper_speedup']}x at {row['paper_gamma']})", flush=True)
   return {'target': config_name(run, target), 'c': draft_c, 'verify_cost': verify_cost,
+          'branch_c': branch_c,
           'note': 'c = draft one-position step / target one-position step (part a, '
                   'batch 1, bfloat16); V(k) the target\'s; alpha from the paper\'s Table 3',
           'rows': rows}
+
+
+def _shape(shape: dict | None) -> str:
+  """A tree_sizing shape in words: '2.61x (4 x 5, 21 positions)'."""
+  if not shape:
+    return '-'
+  return (f"{shape['speedup']:.2f}x ({shape['num_drafts']} x {shape['gamma']}, "
+          f"{shape['positions']} positions)")
 
 
 # ---------------------------------------------------------------------------
@@ -430,12 +553,12 @@ def _models(run: Run, dtype: str, drafts=('small',)) -> Models:
 
 def part_end_to_end(run: Run) -> dict:
   args = run.args
-  out = {'gamma': args.gamma, 'examples': args.examples, 'draft': 'small', 'rows': [],
-         'skipped': []}
+  out = {'gamma': args.gamma, 'examples': args.examples, 'draft': 'small',
+         'dtypes': args.dtypes, 'auto_gammas': args.auto_gammas, 'rows': [], 'skipped': []}
   run.record['parts'][PART_NAMES['d']] = out
   greedy_tokens = {}
   estimate = 0.0
-  for dtype in DTYPES:
+  for dtype in args.dtypes:
     models = _models(run, dtype)
     out['pair'], out['max_decode_length'] = models.name, models.max_decode_length
     draft_config, draft_params = models.drafts['small']
@@ -448,6 +571,9 @@ def part_end_to_end(run: Run) -> dict:
           if not run.budget.allows(estimate):
             out['skipped'].append(dict(settings, reason='over the part budget'))
             continue
+          # gamma='auto' in the first dtype, greedy, among the gammas the width verifies.
+          auto_gammas = [g for g in args.auto_gammas if not width or g + 1 <= width] if (
+              dtype == args.dtypes[0] and temperature == 0.0) else []
           start = time.perf_counter()
           try:
             results, first, tokens = accelerator.end_to_end(
@@ -455,9 +581,11 @@ def part_end_to_end(run: Run) -> dict:
                 {'small': (T5Drafter(draft_config), draft_params)}, models.inputs,
                 batch=batch, temperature=temperature, gamma=args.gamma,
                 max_decode_length=models.max_decode_length, repeats=args.repeats,
-                seed=args.seed)
+                seed=args.seed, auto_gammas=auto_gammas)
             row = dict(settings, baseline=results['baseline'], speculative=results['small'],
                        first_calls_s=first)
+            if 'auto' in results:
+              row['auto'] = results['auto']
             if temperature == 0.0:
               greedy_tokens.setdefault(dtype, tokens['baseline'])
           except Exception as error:  # noqa: BLE001
@@ -469,11 +597,14 @@ def part_end_to_end(run: Run) -> dict:
             print(f"d: {dtype} steps {width or '-'} batch {batch} T={temperature}: baseline "
                   f"{row['baseline']['tokens_per_s']:.0f} tokens/s, speculative "
                   f"{spec['tokens_per_s']:.0f} tokens/s ({spec['speedup']:.2f}x, alpha "
-                  f"{spec['alpha']:.2f}, identical {spec['identical_outputs']})", flush=True)
+                  f"{spec['alpha']:.2f}, identical {spec['identical_outputs']})"
+                  + (f"; gamma=auto {_auto_line(row['auto'])}" if 'auto' in row else ''),
+                  flush=True)
           run.write()
   if len(greedy_tokens) == 2:
     a, b = (greedy_tokens[d] for d in DTYPES)
     out['greedy_rows_equal_across_dtypes'] = int(np.sum(np.all(a == b, axis=1)))
+  out['auto'] = _auto_summary(out['rows'])
   out['greedy_identical'] = {}  # per decode_positions: every greedy row's verdict
   for width in args.decode_positions:
     greedy = [row['speculative']['identical_outputs'] for row in out['rows']
@@ -481,6 +612,28 @@ def part_end_to_end(run: Run) -> dict:
               and row['decode_positions'] == width]
     out['greedy_identical'][str(width)] = all(greedy) if greedy else None
   return out
+
+
+def _auto_line(auto: dict) -> str:
+  return (f"{auto['speedup']:.2f}x, chose {auto['gamma_counts']}"
+          + (' (the baseline throughout)' if auto['chose_baseline'] else '')
+          + f", identical {auto['identical_outputs']}")
+
+
+def _auto_summary(rows: list[dict]) -> dict:
+  """Part d's verdict on gamma='auto': per row (batch size, step width) its speedup over
+  the baseline, whether it ran the baseline throughout, and whether every row is at
+  least AUTO_FLOOR of the baseline with the baseline's greedy outputs."""
+  auto_rows = [row for row in rows if 'auto' in row]
+  summary = [{'batch': row['batch'], 'decode_positions': row['decode_positions'],
+              'speedup': row['auto']['speedup'],
+              'chose_baseline': row['auto']['chose_baseline'],
+              'gamma_counts': row['auto']['gamma_counts'],
+              'identical_outputs': row['auto']['identical_outputs']} for row in auto_rows]
+  return {'floor': AUTO_FLOOR, 'rows': summary,
+          'never_slower': (all(row['auto']['speedup'] >= AUTO_FLOOR
+                               and row['auto']['identical_outputs'] for row in auto_rows)
+                           if auto_rows else None)}
 
 
 def part_drafters(run: Run) -> dict:
@@ -579,6 +732,50 @@ def _identical_by_width(part: dict) -> str:
   return ', '.join(f"{_fmt(v)} (steps {int(w) or '-'})" for w, v in verdicts.items())
 
 
+def _variant_lines(a: dict) -> list[str]:
+  """Part a's A/B items: each variant's steps against the run's own (ratio > 1: slower)."""
+  rows = []
+  for size, batches in a['targets'].items():
+    for batch, entry in batches.items():
+      for name, variant in entry.get('variants', {}).items():
+        rows.append((entry.get('config', size), batch, name, variant))
+  for batch, draft in a['drafts']['small'].items():
+    for name, variant in draft.get('variants', {}).items():
+      rows.append((draft.get('config', 'small'), batch, name, variant))
+  if not rows:
+    return []
+  lines = ['', f"Variants against the run's own steps (layout {a.get('layout', '-')}, "
+           "jaxspec's einsum attention): ratio = variant / own, median over repetitions "
+           '(> 1: the variant is slower).', '',
+           '| model | batch | variant | step | ratio | verify step | ratio |', '|---' * 7 + '|']
+  for model, batch, name, variant in rows:
+    if 'error' in variant:
+      lines.append(f"| {model} | {batch.split('_')[-1]} | {name} | {variant['error']} |")
+      continue
+    lines.append(f"| {model} | {batch.split('_')[-1]} | {name} | "
+                 f"{_fmt(variant.get('step_ms'))} ms | {_fmt(variant.get('step_ratio'), '.2f')} | "
+                 f"{_fmt(variant.get('verify_ms'))} | {_fmt(variant.get('verify_ratio'), '.2f')} |")
+  return lines
+
+
+def _auto_lines(d: dict) -> list[str]:
+  """Part d's gamma='auto' rows and verdict."""
+  summary = d.get('auto') or {}
+  if not summary.get('rows'):
+    return []
+  lines = ['', f"gamma='auto' (choosing among 0 and {d.get('auto_gammas')}, calibrated on "
+           f"the same inputs), greedy, {d['dtypes'][0]}: at least {summary['floor']:.2f}x "
+           'of the baseline with its outputs in every row: '
+           f"{_fmt(summary['never_slower'])}.", '',
+           '| steps | batch | speedup | chose (gamma: batches) | baseline throughout | '
+           'identical |', '|---' * 6 + '|']
+  for row in summary['rows']:
+    lines.append(f"| {row['decode_positions'] or '-'} | {row['batch']} | "
+                 f"{_x(row['speedup'])} | {row['gamma_counts']} | "
+                 f"{_fmt(row['chose_baseline'])} | {_fmt(row['identical_outputs'])} |")
+  return lines
+
+
 def markdown(record: dict) -> str:
   device = record['device']
   peak = device.get('peak_bandwidth_bytes_per_s')
@@ -626,6 +823,7 @@ def markdown(record: dict) -> str:
                      f"{draft['step_ms']:.3f} ms ({_pct(draft['bandwidth_fraction'])} of "
                      f"peak bandwidth), proposal of {a['gamma']} tokens "
                      f"{draft['proposal_ms']:.3f} ms.")
+    lines += _variant_lines(a)
     if a['skipped']:
       lines += ['', f"Skipped: {a['skipped']}"]
     lines.append('')
@@ -646,16 +844,22 @@ def markdown(record: dict) -> str:
     if 'rows' in c:
       lines += [f"Target {c['target']}; {c['note']}. Predicted speedup = E[tokens per "
                 'iteration](alpha, gamma) / (gamma c + V(gamma + 1)) at the best measured '
-                'gamma; Theorem 3.8 takes V = 1.', '',
+                'gamma; Theorem 3.8 takes V = 1. Best chain and best tree: '
+                'jaxspec.measure.tree_sizing over V(k) interpolated between the measured k '
+                '(num_drafts x gamma, the verify step over 1 + num_drafts x gamma positions; '
+                'the j-th branch right with probability alpha (1 - alpha)^(j - 1); the '
+                'branches drafted as one batch, at the draft\'s step at that batch where '
+                'part a measured it).', '',
                 '| task | draft | T | alpha | c | best gamma | predicted | at paper gamma '
-                '| Theorem 3.8 | paper gamma | paper c | paper speedup |',
-                '|---' * 12 + '|']
+                '| Theorem 3.8 | best chain | best tree | paper gamma | paper c | '
+                'paper speedup |', '|---' * 14 + '|']
       for row in c['rows']:
         lines.append(
             f"| {row['task']} | {row['draft']} | {row['temperature']} | {row['alpha']} | "
             f"{_fmt(row['c'])} | {_fmt(row['best_gamma'], 'd')} | "
             f"{_x(row['predicted_speedup'])} | {_x(row['predicted_at_paper_gamma'])} | "
-            f"{_x(row['theorem_3_8_speedup'])} | {row['paper_gamma']} | "
+            f"{_x(row['theorem_3_8_speedup'])} | {_shape(row.get('best_chain'))} | "
+            f"{_shape(row.get('best_tree'))} | {row['paper_gamma']} | "
             f"{row['paper_c']} | {row['paper_speedup']}x |")
     else:
       lines.append(str(c))
@@ -684,6 +888,7 @@ def markdown(record: dict) -> str:
           f"{row['baseline']['tokens_per_s']:.0f} | {spec['tokens_per_s']:.0f} | "
           f"{spec['speedup']:.2f}x | {spec['alpha']:.3f} | "
           f"{spec['tokens_per_target_call']:.2f} | {_fmt(spec['identical_outputs'])} |")
+    lines += _auto_lines(d)
     if d.get('skipped'):
       lines += ['', f"Skipped: {d['skipped']}"]
     lines.append('')

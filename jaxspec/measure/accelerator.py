@@ -18,9 +18,12 @@ difference between two loop lengths, so a drafter's setup cancels out).
                                   from two loop lengths
   loop_overhead(...)              the speculative while loop per iteration against its
                                   proposal and verify step timed apart
-  end_to_end(...)                 baseline against speculative decoding over the same
-                                  inputs: tokens/s, speedup, identical greedy outputs, alpha
-  table2_predictions(...)         the paper's Table 2 predicted from measured c and V(k)
+  end_to_end(...)                 baseline against speculative decoding (fixed gammas and
+                                  gamma='auto') over the same inputs: tokens/s, speedup,
+                                  identical greedy outputs, alpha, what 'auto' chose
+  table2_predictions(...)         the paper's Table 2 predicted from measured c and V(k),
+                                  with the best chain and the best token tree
+                                  (jaxspec.measure.tree_sizing)
 
 Shape letters: b batch, s source length, k positions of a decode step, v vocabulary.
 """
@@ -39,10 +42,10 @@ import numpy as np
 
 from jaxspec import machine
 from jaxspec.config import EOS_ID, T5Config
-from jaxspec.decoding import speculative
+from jaxspec.decoding import auto_gamma, speculative
 from jaxspec.decoding.baseline import generate
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.measure import analysis, benchmark, step_costs
+from jaxspec.measure import analysis, benchmark, step_costs, tree_sizing
 from jaxspec.model import abstract_params
 from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.model.quantization import int8_decoder
@@ -432,13 +435,25 @@ def _pad_rows(rows: np.ndarray, size: int) -> np.ndarray:
   return np.pad(rows, ((0, size - len(rows)),) + ((0, 0),) * (rows.ndim - 1), mode='edge')
 
 
+# gamma='auto' in part d: calibration rounds (each decodes every batch with every
+# candidate) and the seconds of decoding past the first round that may go to more.
+AUTO_CALIBRATION_ROUNDS = (2, 3)
+AUTO_CALIBRATION_SECONDS = 5.0
+
+
 def end_to_end(target_params, target_config: T5Config, drafters: Mapping[str, tuple[Any, Any]],
                inputs: np.ndarray, *, batch: int, temperature: float, gamma: int,
                max_decode_length: int, repeats: int, seed: int = 0,
-               baseline: bool = True) -> tuple[dict, float, dict[str, np.ndarray]]:
+               baseline: bool = True, auto_gammas: Sequence[int] = ()
+               ) -> tuple[dict, float, dict[str, np.ndarray]]:
   """The baseline and speculative decoding with each of `drafters` ({name: (drafter,
   params)}) over the same inputs [n, s] in batches of `batch` (the last padded with
   its last row), interleaved batch by batch and repeated (benchmark.time_side_by_side).
+
+  auto_gammas: also gamma='auto' ('auto', jaxspec.decoding.auto_gamma's decoder over the
+  baseline and the first drafter, choosing among 0 and these), calibrated on the same
+  batches before the timings (its seconds in 'calibration_s'), timed beside the others
+  with what it chose per batch ('gamma_counts', 'chose_baseline').
 
   Returns ({name: {seconds (median total), tokens, tokens_per_s, and for the drafters
   speedup (the baseline's seconds / these), alpha, tokens_per_target_call,
@@ -468,6 +483,14 @@ def end_to_end(target_params, target_config: T5Config, drafters: Mapping[str, tu
   for decode in decoders.values():  # compile, timed apart
     jax.block_until_ready(decode(0))
   first = time.perf_counter() - start
+  auto = None
+  if auto_gammas:
+    drafter, drafter_params = next(iter(drafters.values()))
+    auto, calibration_s = _calibrated_auto(
+        target_params, target_config, drafter, drafter_params,
+        [(padded[rows(i)], keys[rows(i)]) for i in range(batches)], batch=batch,
+        sampling=sampling, max_decode_length=max_decode_length, gammas=auto_gammas)
+    decoders['auto'] = lambda i: auto((padded[rows(i)], keys[rows(i)]))
   outputs: dict[str, list] = {}
   totals = benchmark.time_side_by_side(decoders, batches, repeats, outputs)
 
@@ -496,7 +519,43 @@ def end_to_end(target_params, target_config: T5Config, drafters: Mapping[str, tu
       if baseline:
         row['speedup'] = float(np.median(totals['baseline'])) / seconds
     results[name] = row
+  if auto is not None:
+    results['auto'].update(_auto_choices(auto), calibration_s=calibration_s)
   return results, first, {name: tokens_of(name)[0] for name in decoders}
+
+
+def _calibrated_auto(target_params, target_config: T5Config, drafter, drafter_params,
+                     batch_arrays: Sequence[tuple[Any, Any]], *, batch: int,
+                     sampling: SamplingConfig, max_decode_length: int,
+                     gammas: Sequence[int]) -> tuple[auto_gamma.AutoGammaDecoder, float]:
+  """gamma='auto' over the baseline and `drafter` (their calls exactly end_to_end's, so
+  the programs they share compile once), calibrated on batch_arrays [(tokens, keys)]
+  as jaxspec-infer calibrates (each candidate compiled untimed, then interleaved
+  rounds): (the decoder, the calibration's seconds, compiles included)."""
+  auto = auto_gamma.AutoGammaDecoder(
+      lambda arrays: generate(target_params, *arrays, config=target_config,
+                              max_decode_length=max_decode_length, sampling=sampling,
+                              on_nonfinite='warn'),
+      lambda arrays, spec: speculative_generate(
+          target_params, drafter_params, *arrays, target_config=target_config,
+          drafter=drafter, spec=spec, max_decode_length=max_decode_length,
+          sampling=sampling, on_nonfinite='warn'),
+      SpeculativeConfig(gamma=auto_gamma.AUTO), batch_size=batch, gammas=gammas)
+  start = time.perf_counter()
+  auto.calibrate(batch_arrays, AUTO_CALIBRATION_ROUNDS, AUTO_CALIBRATION_SECONDS)
+  return auto, time.perf_counter() - start
+
+
+def _auto_choices(auto: auto_gamma.AutoGammaDecoder) -> dict:
+  """What gamma='auto' chose over a run and why: its choices per batch (calls of the
+  timed repetitions and the first call), whether it ran the baseline throughout, and
+  each gamma's speedup its calibration measured (with the alpha it measured)."""
+  return {'gammas': list(auto.gammas),
+          'gamma_counts': {int(g): n for g, n in sorted(auto.gamma_counts.items())},
+          'chose_baseline': set(auto.gamma_counts) == {0},
+          'calibration_speedups': {int(g): float(v)
+                                   for g, v in sorted(auto.costs.measured_speedup.items())},
+          'calibration_alpha': auto.costs.alpha}
 
 
 # ---------------------------------------------------------------------------
@@ -522,8 +581,24 @@ def predicted_speedup(alpha: float, gamma: int, c: float, verify_cost: float) ->
       gamma * c + verify_cost)
 
 
+def draft_cost_by_branches(step_ms_by_batch: Mapping[int, float], target_step_ms: float,
+                           max_drafts: int = tree_sizing.MAX_DRAFTS) -> float | dict[int, float]:
+  """c of a tree's m branches, drafted as one batch of m rows: {m: the draft's step at
+  batch m / the target's one-position step} for m up to max_drafts, linear between the
+  batch sizes measured and never past the largest; the batch-1 c alone where only that
+  was measured (a tree's drafting then taken as costing a chain's)."""
+  measured = {int(b): float(ms) for b, ms in step_ms_by_batch.items()}
+  if set(measured) == {1}:
+    return measured[1] / target_step_ms
+  batches = sorted(measured)
+  return {m: float(np.interp(m, batches, [measured[b] for b in batches])) / target_step_ms
+          for m in range(1, max_drafts + 1) if batches[0] <= m <= batches[-1]}
+
+
 def table2_predictions(draft_c: Mapping[str, float | None], verify_cost: Mapping[int, float],
-                       rows: Sequence[dict] = PAPER_TABLE2) -> list[dict]:
+                       rows: Sequence[dict] = PAPER_TABLE2,
+                       branch_c: Mapping[str, float | Mapping[int, float]] | None = None
+                       ) -> list[dict]:
   """Each of the paper's rows with its speedup predicted from this device's costs.
 
   draft_c: {draft: c} (None: not measured); verify_cost: {k: V(k)} measured on the
@@ -531,6 +606,12 @@ def table2_predictions(draft_c: Mapping[str, float | None], verify_cost: Mapping
   that maximizes the predicted speedup, as the paper picks gamma per row; the speedup at
   the paper's gamma where V(paper gamma + 1) was measured; and Theorem 3.8 as stated
   (a verify step costs one step) with the measured c, at its own optimal gamma.
+  best_chain and best_tree: the shapes jaxspec.measure.tree_sizing sizes for these
+  costs (V interpolated between the measured k, never past them; a tree of m branches
+  of gamma drafts verified in one step over 1 + m gamma positions, its later branches'
+  acceptance by tree_sizing's model), each {num_drafts, gamma, positions, tokens, cost,
+  speedup}; branch_c: {draft: c, or {m: c of drafting m branches as a batch}}
+  (draft_cost_by_branches), default draft_c's.
   """
   gammas = sorted(k - 1 for k in verify_cost if k >= 2)
   out = []
@@ -538,8 +619,11 @@ def table2_predictions(draft_c: Mapping[str, float | None], verify_cost: Mapping
     c = draft_c.get(row['draft'])
     result = dict(row, c=c, best_gamma=None, predicted_speedup=None,
                   predicted_at_paper_gamma=None, theorem_3_8_gamma=None,
-                  theorem_3_8_speedup=None)
+                  theorem_3_8_speedup=None, best_chain=None, best_tree=None)
     if c is not None and gammas:
+      chain, tree = tree_sizing.best_chain_and_tree(
+          verify_cost, (branch_c or {}).get(row['draft'], c), row['alpha'])
+      result.update(best_chain=chain.to_json(), best_tree=tree.to_json())
       speedups = {g: predicted_speedup(row['alpha'], g, c, verify_cost[g + 1]) for g in gammas}
       best = max(gammas, key=lambda g: (speedups[g], -g))
       result.update(best_gamma=best, predicted_speedup=speedups[best],

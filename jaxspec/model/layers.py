@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import T5Config
+from jaxspec.config import DECODE_ATTENTION_JAX, T5Config
+from jaxspec.model.accelerator import attention as accelerator_attention
 from jaxspec.model.cpu import attention as cpu_attention, matmul as cpu_matmul
 from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_AXES, TARGET,
                                     constrain)
@@ -23,6 +24,10 @@ from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_
 NEG_INF = cpu_attention.NEG_INF  # Additive mask value, as T5X.
 KERNEL_PARAM = 'kernel'  # A Dense kernel in T5X's layout [in, out].
 KERNEL_T_PARAM = 'kernel_t'  # The same kernel transposed, [out, in] (jaxspec.model.cpu.layout).
+# A decoder self-attention's query/key/value kernels stacked, [e, 3, h*d], and a gated
+# MLP's wi_0/wi_1 stacked, [e, 2, f]: one product each (jaxspec.model.accelerator.layout).
+KERNEL_QKV = 'qkv_kernel'
+KERNEL_WI = 'wi_kernel'
 # An int8 kernel [out, in] and its float32 scale per output (jaxspec.model.quantization).
 KERNEL_INT8 = 'kernel_int8'
 KERNEL_SCALE = 'kernel_scale'
@@ -138,6 +143,13 @@ def project_together(x, projections, config: T5Config):
     return tuple(y.astype(dtype) for y in cpu_matmul.matmuls_int8(
         x, [(w[1], w[2]) for w in weights], config.cpu_matmul))
   return tuple(projection(x) for projection in projections)
+
+
+def project_stacked(x, kernel, dtype):
+  """x [..., in] against n kernels stacked as kernel [in, n, out] -> n results [..., out],
+  in ONE product (the accelerator layout's q/k/v and wi_0/wi_1)."""
+  stacked = jnp.einsum('...i,ino->...no', x.astype(dtype), kernel.astype(dtype))  # [..., n, out]
+  return tuple(stacked[..., i, :] for i in range(kernel.shape[1]))
 
 
 def _int8_shape(existing, out: int, inputs: int) -> tuple[int, ...]:
@@ -287,6 +299,10 @@ class MultiHeadAttention(nn.Module):
     self.value = projection()
     self.out = Dense(features=config.emb_dim, kernel_axes=('joined_kv', 'embed'),
                      config=config, kernel_init=base_init)
+    if self.has_variable('params', KERNEL_QKV):  # the accelerator layout: q/k/v stacked
+      self.query_key_value = param_with_axes(
+          KERNEL_QKV, _existing, (config.emb_dim, 3, joined), jnp.dtype(config.param_dtype),
+          axes=('embed', 'stack', 'joined_kv'))
 
   def _split_heads(self, x):  # [b, t, h*d] -> [b, t, h, d]
     x = x.reshape(x.shape[:-1] + (self.config.num_heads, self.config.head_dim))
@@ -300,16 +316,30 @@ class MultiHeadAttention(nn.Module):
     return self._split_heads(self.key(x)), self._split_heads(self.value(x))
 
   def project_query_key_value(self, x):
-    """x [b, t, e] -> queries, keys, values [b, t, h, d], in one kernel call on CPU
-    (project_together)."""
-    return tuple(self._split_heads(y) for y in project_together(
-        x, (self.query, self.key, self.value), self.config))
+    """x [b, t, e] -> queries, keys, values [b, t, h, d], in one product where the params
+    stack them (the accelerator layout), else in one kernel call on CPU (project_together)."""
+    if self.has_variable('params', KERNEL_QKV):
+      projected = project_stacked(x, self.query_key_value, self.config.compute_dtype)
+    else:
+      projected = project_together(x, (self.query, self.key, self.value), self.config)
+    return tuple(self._split_heads(y) for y in projected)
+
+  def _through_dot_product_attention(self, kernel_takes_shapes: bool) -> bool:
+    """Whether a decode step's attention goes to jax.nn.dot_product_attention
+    (config.decode_attention): wherever XLA computes it, not where the CPU kernel does."""
+    return (self.config.decode_attention == DECODE_ATTENTION_JAX
+            and not (kernel_takes_shapes and cpu_matmul.use_kernel(self.config.cpu_matmul)))
 
   def attend_cached(self, query, keys, values, bias):
     """query [b,t,h,d] against cached keys/values [b,h,d,s] (jaxspec.model.cache) -> [b, t, e]
-    (on CPU through the attention kernel, jaxspec.model.cpu.attention)."""
-    out = cpu_attention.cached_attention(query, keys, values, bias,
-                                         cpu_matmul_setting=self.config.cpu_matmul)
+    (on CPU through the attention kernel, jaxspec.model.cpu.attention; with
+    config.decode_attention 'dot_product_attention' elsewhere through
+    jaxspec.model.accelerator.attention)."""
+    if self._through_dot_product_attention(cpu_attention.applies(query, keys, values, bias)):
+      out = accelerator_attention.cached_attention(query, keys, values, bias)
+    else:
+      out = cpu_attention.cached_attention(query, keys, values, bias,
+                                           cpu_matmul_setting=self.config.cpu_matmul)
     out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
     return constrain(self.out(out), EMBED_AXES, self.role)
 
@@ -318,9 +348,15 @@ class MultiHeadAttention(nn.Module):
     go into the cached keys/values [b,h,d,s] at slots starts[b] + 0..t-1, then query
     [b,t,h,d] attends over them -> ([b, t, e], keys, values)
     (jaxspec.model.cpu.attention.attend_and_write)."""
-    out, keys, values = cpu_attention.attend_and_write(
-        query, new_keys, new_values, keys, values, bias, starts, self.config.cpu_matmul,
-        keys_in_slots=fixed_step_width(self.config, self.role) > 0)
+    keys_in_slots = fixed_step_width(self.config, self.role) > 0
+    if self._through_dot_product_attention(cpu_attention.applies_write(
+        query, new_keys, new_values, keys, values, bias)):
+      out, keys, values = accelerator_attention.attend_and_write(
+          query, new_keys, new_values, keys, values, bias, starts, keys_in_slots)
+    else:
+      out, keys, values = cpu_attention.attend_and_write(
+          query, new_keys, new_values, keys, values, bias, starts, self.config.cpu_matmul,
+          keys_in_slots=keys_in_slots)
     out = constrain(out.reshape(out.shape[:2] + (-1,)), JOINED_KV_AXES, self.role)
     return constrain(self.out(out), EMBED_AXES, self.role), keys, values
 
@@ -351,8 +387,13 @@ class MlpBlock(nn.Module):
     if config.mlp_activations == ('relu',):
       hidden = nn.relu(dense_in(name='wi')(x))
     else:
-      gate, linear = project_together(x, (dense_in(name='wi_0'), dense_in(name='wi_1')),
-                                      config)
+      if self.has_variable('params', KERNEL_WI):  # the accelerator layout: one product
+        kernel = param_with_axes(KERNEL_WI, _existing, (x.shape[-1], 2, config.mlp_dim),
+                                 jnp.dtype(config.param_dtype), axes=('embed', 'stack', 'mlp'))
+        gate, linear = project_stacked(x, kernel, config.compute_dtype)  # [b, t, f] each
+      else:
+        gate, linear = project_together(x, (dense_in(name='wi_0'), dense_in(name='wi_1')),
+                                        config)
       hidden = nn.gelu(gate, approximate=True) * linear
     hidden = nn.Dropout(config.dropout_rate, deterministic=self.deterministic)(
         constrain(hidden, MLP_AXES, self.role))

@@ -147,12 +147,7 @@ def xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts
     out = jnp.einsum('bhts,bhds->bthd', weights, values,
                      preferred_element_type=jnp.float32).astype(values.dtype)
     return out, keys, values
-  cached = jnp.arange(length, dtype=jnp.int32)[None, :] < starts[:, None]  # [b, L]
-  cached_bias = jnp.where(cached[:, None, None, :], bias, NEG_INF)  # [b, h|1, t, L]
-  # The bias of the step's own slots; a slot past the buffer is dropped, as its write.
-  new_bias = jnp.take_along_axis(
-      bias, jnp.broadcast_to(slots[:, None, None, :], bias.shape[:3] + (steps,)), axis=3,
-      mode='fill', fill_value=NEG_INF)  # [b, h|1, t, t]
+  cached_bias, new_bias = step_biases(bias, starts, slots)
   logits = jnp.concatenate([
       jnp.einsum('bthd,bhds->bhts', query, keys, preferred_element_type=jnp.float32)
       + cached_bias,
@@ -164,10 +159,24 @@ def xla_attend_and_write(query, new_keys, new_values, keys, values, bias, starts
                     preferred_element_type=jnp.float32)
          + jnp.einsum('bhts,bshd->bthd', weights[..., length:], new_values,
                       preferred_element_type=jnp.float32)).astype(values.dtype)
-  return (out,) + _write_after(out, keys, values, new_keys, new_values, slots)
+  return (out,) + write_after(out, keys, values, new_keys, new_values, slots)
 
 
-def _write_after(out, keys, values, new_keys, new_values, slots):
+def step_biases(bias, starts, slots):
+  """A step's bias [b, h|1, t, L] split for attending over the cache as it was and over
+  the step's own keys: (cached_bias [b, h|1, t, L], the slots from starts[b] on masked;
+  new_bias [b, h|1, t, t], the bias at the step's own slots [b, t], NEG_INF past the
+  buffer, where their writes are dropped)."""
+  length, steps = bias.shape[3], slots.shape[1]
+  cached = jnp.arange(length, dtype=jnp.int32)[None, :] < starts[:, None]  # [b, L]
+  cached_bias = jnp.where(cached[:, None, None, :], bias, NEG_INF)  # [b, h|1, t, L]
+  new_bias = jnp.take_along_axis(
+      bias, jnp.broadcast_to(slots[:, None, None, :], bias.shape[:3] + (steps,)), axis=3,
+      mode='fill', fill_value=NEG_INF)  # [b, h|1, t, t]
+  return cached_bias, new_bias
+
+
+def write_after(out, keys, values, new_keys, new_values, slots):
   """(keys, values) [b,h,d,L] with new_keys/new_values [b,t,h,d] written at slots [b, t],
   the write made to depend on the attention's output `out`: XLA updates the buffers in
   place only where it sees every read of them ordered before the write, and a write

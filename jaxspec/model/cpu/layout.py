@@ -1,4 +1,5 @@
-"""Dense kernels in T5X's layout or transposed for decoding on XLA:CPU.
+"""Dense kernels in T5X's layout, transposed for decoding on XLA:CPU, or fused for
+decoding where XLA computes on an accelerator.
 
 T5X stores every projection kernel as `kernel` [in, out]. On XLA:CPU a decode step
 over a few positions (a verify step, k = 2..9) runs x [k, in] @ kernel [in, out]
@@ -13,9 +14,15 @@ included). `jaxspec.model.layers.Dense` uses whichever key the params hold, so e
 decoder and drafter accepts both trees. Checkpoint writers and exporters store T5X's
 layout (`t5x_kernels` first), and `check_params` compares in T5X's layout.
 
-  for_decoding(params)     -> transposed on CPU, unchanged elsewhere (call once, after loading)
+The third layout, 'fused' (jaxspec.model.accelerator.layout), keeps T5X's orientation
+and stacks each decoder layer's self-attention q/k/v and gated MLP wi_0/wi_1 into one
+kernel each, so a decode step on a GPU or TPU runs two products where T5X's layout runs
+five (a small model's step there is bound by the kernels it launches).
+
+  for_decoding(params)     -> transposed on CPU, fused elsewhere (call once, after loading)
   transposed_kernels(tree) -> every kernel as kernel_t [out, in]
-  t5x_kernels(tree)        -> every kernel_t back to kernel [in, out]
+  t5x_kernels(tree)        -> every kernel as T5X's kernel [in, out], none stacked
+  fused_kernels(tree)      -> T5X's orientation with the decoder's q/k/v and wi_0/wi_1 stacked
 """
 
 from __future__ import annotations
@@ -25,16 +32,20 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from jaxspec.model.accelerator import layout as accelerator_layout
 from jaxspec.model.layers import KERNEL_PARAM, KERNEL_T_PARAM
 
 T5X = 't5x'  # kernel [in, out]
 TRANSPOSED = 'transposed'  # kernel_t [out, in]
+FUSED = 'fused'  # kernel [in, out]; the decoder's q/k/v and wi_0/wi_1 stacked
+LAYOUTS = (T5X, TRANSPOSED, FUSED)
 
 
 def decode_layout(platform: str | None = None) -> str:
-  """The faster layout for decoding on `platform` (default: JAX's default backend)."""
+  """The faster layout for decoding on `platform` (default: JAX's default backend): the
+  transposed kernels jaxspec's CPU kernels read, or on a GPU or TPU the fused one."""
   platform = platform or jax.default_backend()
-  return TRANSPOSED if platform == 'cpu' else T5X
+  return TRANSPOSED if platform == 'cpu' else FUSED
 
 
 def _transpose_leaf(leaf):
@@ -80,14 +91,21 @@ def transposed_kernels(params: Mapping[str, Any]) -> dict:
   """Every `kernel` [in, out] as `kernel_t` [out, in]; other leaves as they are.
 
   params: the 'params' collection or variables {'params', 'params_axes'?}. Kernels
-  already transposed stay so, so the call is idempotent.
+  already transposed stay so, so the call is idempotent; stacked kernels are unstacked.
   """
-  return _convert(params, KERNEL_PARAM, KERNEL_T_PARAM)
+  return _convert(accelerator_layout.unfused_kernels(params), KERNEL_PARAM, KERNEL_T_PARAM)
 
 
 def t5x_kernels(params: Mapping[str, Any]) -> dict:
-  """Every `kernel_t` [out, in] back to T5X's `kernel` [in, out] (idempotent)."""
-  return _convert(params, KERNEL_T_PARAM, KERNEL_PARAM)
+  """Every `kernel_t` [out, in] back to T5X's `kernel` [in, out] and every stacked kernel
+  back to its parts (idempotent)."""
+  return _convert(accelerator_layout.unfused_kernels(params), KERNEL_T_PARAM, KERNEL_PARAM)
+
+
+def fused_kernels(params: Mapping[str, Any]) -> dict:
+  """T5X's orientation with the decoder's self-attention q/k/v and gated MLP wi_0/wi_1
+  stacked into one kernel each (jaxspec.model.accelerator.layout; idempotent)."""
+  return accelerator_layout.fused_kernels(t5x_kernels(params))
 
 
 def has_transposed_kernels(params: Mapping[str, Any]) -> bool:
@@ -98,12 +116,15 @@ def has_transposed_kernels(params: Mapping[str, Any]) -> bool:
 
 
 def to_layout(params: Mapping[str, Any], layout: str) -> dict:
-  """params in `layout`: 't5x' (kernel [in, out]) or 'transposed' (kernel_t [out, in])."""
+  """params in `layout`: 't5x' (kernel [in, out]), 'transposed' (kernel_t [out, in]) or
+  'fused' (T5X's, the decoder's q/k/v and wi_0/wi_1 stacked)."""
   if layout == T5X:
     return t5x_kernels(params)
   if layout == TRANSPOSED:
     return transposed_kernels(params)
-  raise ValueError(f"kernel layout must be {T5X!r} or {TRANSPOSED!r}, got {layout!r}")
+  if layout == FUSED:
+    return fused_kernels(params)
+  raise ValueError(f'kernel layout must be one of {LAYOUTS}, got {layout!r}')
 
 
 def for_decoding(params: Mapping[str, Any], platform: str | None = None) -> dict:
