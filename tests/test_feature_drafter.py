@@ -282,6 +282,27 @@ def test_int8_head_is_exact_and_agrees_as_the_float32_head():
     FeatureDrafter(TARGET, weights='int4')
 
 
+def test_head_in_the_accelerators_fused_layout_drafts_as_in_t5xs():
+  # On GPUs and TPUs for_decoding stacks the head's q/k/v and wi_0/wi_1 (the accelerator
+  # decode layout); with XLA's products on the CPU both layouts draft alike.
+  from jaxspec.model.accelerator import layout as accelerator_layout
+  config = TARGET.replace(cpu_matmul='xla')
+  head = {'params': _training()[2]}
+  fused = accelerator_layout.fused_kernels(head)
+  assert accelerator_layout.has_fused_kernels(fused)
+  target_head = FeatureDrafter.make_params(head, spec_tests._target_params())['target']
+  runs = [speculative_generate(
+      spec_tests._target_params(), {'head': h, 'target': target_head},
+      spec_tests._encoder_tokens(), target_config=TARGET, drafter=FeatureDrafter(config),
+      spec=SpeculativeConfig(gamma=3), max_decode_length=MAX_LEN, sampling=GREEDY,
+      record_trace=True) for h in (fused, head)]
+  for run in runs:
+    np.testing.assert_array_equal(np.asarray(run.output.tokens),
+                                  np.asarray(spec_tests._baseline().tokens))
+  agree = np.mean(np.asarray(runs[0].trace.drafts) == np.asarray(runs[1].trace.drafts))
+  assert agree > 0.95, agree
+
+
 def test_coupled_sampling_gives_the_baselines_draws():
   sampling = SamplingConfig(temperature=1.0)
   key = jax.random.PRNGKey(4)
