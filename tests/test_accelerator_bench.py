@@ -255,6 +255,8 @@ def test_step_costs(tiny_run):
     assert _positive(entry['step_bytes']) and _positive(entry['int8_draft']['step_bytes'])
     assert entry['int8_draft']['step_bytes'] < entry['step_bytes']  # int8 weights
     assert _positive(entry['int8_draft']['c']) and _positive(entry['small_draft']['c'])
+    head = entry['feature_head']  # one layer of the target's width and its LM head
+    assert head['layers'] == 1 and _positive(head['proposal_ms']) and _positive(head['c'])
     draft = record['drafts']['small'][batch]
     assert _positive(draft['step_ms']) and _positive(draft['proposal_ms'])
     # The A/B items: each variant's steps beside the run's own, target and draft.
@@ -284,8 +286,12 @@ def test_table2_from_the_measured_costs(tiny_run):
   steps = record['parts'][NAMES['a']]['targets']['tiny']['batch_1']['steps']
   assert table['verify_cost'] == {k: s['V'] for k, s in steps.items() if k > 1}
   assert table['branch_c'] == {'small': pytest.approx(table['c']['small'])}  # batch 1 only
-  assert len(table['rows']) == 12
-  for row in table['rows']:
+  assert len(table['rows']) == 13
+  head = table['rows'][-1]  # the feature head, at the alpha measured on the CPU
+  assert (head['draft'], head['task'], head['paper_speedup']) == ('feature head', 'EnDe', None)
+  assert head['c'] == table['c']['feature head'] and _positive(head['predicted_speedup'])
+  assert head['alpha'] == accelerator_bench.FEATURE_ALPHA
+  for row in table['rows'][:-1]:
     if row['draft'] == 'small':  # the only draft measured at tiny shapes
       assert _positive(row['c']) and _positive(row['predicted_speedup'])
       assert row['best_gamma'] in (1, 3)

@@ -61,6 +61,8 @@ from jaxspec import inference, machine
 from jaxspec.config import (CPU_MATMULS, CPU_MATMUL_XLA, DECODE_ATTENTION_EINSUM,
                             DECODE_ATTENTION_JAX, get_config)
 from jaxspec.decoding.drafters import Int8Drafter, SharedEncoderDrafterWithTarget, T5Drafter
+from jaxspec.decoding.drafters.feature import FeatureDrafter, FeatureDrafterWithTarget
+from jaxspec.model import feature_draft
 from jaxspec.measure import accelerator, step_costs
 from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.model.cpu import matmul as cpu_matmul_lib
@@ -83,6 +85,9 @@ TINY_LAYERS = {'num_encoder_layers': 1, 'num_decoder_layers': 1}  # --tiny compi
 TINY_SIZE = 'tiny'
 DTYPES = ('bfloat16', 'float32')  # part d; the accelerators' own first
 TEMPERATURES = (0.0, 1.0)
+# The shipped feature head's alpha at T = 0 on the EnDe test split (jaxspec-infer with
+# configs/infer/ende54m_feature.gin), part c's stand-in for a head over T5-XXL.
+FEATURE_ALPHA = 0.5
 DEFAULT_POSITIONS = '2,4,6,8,9,16,32,64'
 # gamma='auto' must decode at least this fraction of the baseline's speed (part d).
 AUTO_FLOOR = 0.97
@@ -140,6 +145,9 @@ def _parse_args(argv):
                       help="part d: gamma='auto' chooses among 0 and these (in the first "
                       "dtype, T=0); 'gamma' is 1..gamma (every one within the fixed-width "
                       "steps; gamma alone with --tiny), empty: no gamma='auto' rows")
+  parser.add_argument('--feature_alpha', type=float, default=FEATURE_ALPHA,
+                      help="part c's alpha of the feature-level head (jaxspec.FeatureDrafter; "
+                      'default: the EnDe T=0 alpha measured on the CPU for the shipped head)')
   parser.add_argument('--seed', type=int, default=0)
   command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
@@ -344,6 +352,9 @@ def _measure_target(run: Run, size: str, batch: int, draft: dict | None) -> dict
   int8 = SharedEncoderDrafterWithTarget(Int8Drafter(config), config)
   calls.update({('int8', n): call for n, call in accelerator.proposal_calls(
       int8, {'draft': int8_params, 'target': params}, setup, args.gamma).items()})
+  head, head_params = _feature_head(config, params, args.seed + 2)
+  calls.update({('feature', n): call for n, call in accelerator.proposal_calls(
+      head, {'draft': head_params, 'target': params}, setup, args.gamma).items()})
   variant_positions = [1, args.gamma + 1]
   variant_calls, errors = _variant_calls(run, params, config, setup, cache, variant_positions)
   if variant_calls:  # the run's own steps beside them
@@ -368,12 +379,30 @@ def _measure_target(run: Run, size: str, batch: int, draft: dict | None) -> dict
           'step_bytes': int8_bytes,
           'bandwidth_fraction': accelerator.bandwidth_fraction(
               args.gamma * int8_bytes, proposal, run.peak)},
+      'feature_head': _feature_entry(times, args.gamma, step),
       'variants': _variant_entries(run, times, setup, variant_positions, errors),
       'first_calls_s': first}
   if draft and 'step_ms' in draft:
     entry['small_draft'] = {'c': draft['step_ms'] / (1e3 * step),
                             'c_from_proposal': draft['proposal_ms'] / (1e3 * args.gamma * step)}
   return entry
+
+
+def _feature_head(config, target_params, seed: int):
+  """A feature-level head of one layer at the target's shapes (jaxspec.FeatureDrafter:
+  one decoder layer of its width over its features, its LM head), random weights in the
+  target's dtype and the platform's decoding layout, made stand-alone for timing."""
+  drafter = FeatureDrafter(config)
+  head = feature_draft.init_params(drafter.head_config, jax.random.PRNGKey(seed))['params']
+  head = jax.tree_util.tree_map(lambda x: x.astype(config.param_dtype), head)
+  params = FeatureDrafter.make_params(head, target_params)
+  return FeatureDrafterWithTarget(drafter, config), params
+
+
+def _feature_entry(times, gamma: int, step: float) -> dict:
+  """The head's proposal of gamma tokens and its c against the target's step."""
+  proposal = accelerator.slope_seconds(times, ('feature',))
+  return {'layers': 1, 'proposal_ms': 1e3 * proposal, 'c': proposal / (gamma * step)}
 
 
 def part_step_costs(run: Run) -> dict:
@@ -422,7 +451,8 @@ def _target_line(entry: dict) -> str:
           + (f' ({fraction:.0%} of peak bandwidth)' if fraction is not None else '')
           + ', V ' + ' '.join(f"{k}:{s['V']:.2f}" for k, s in steps.items() if k > 1)
           + f", int8 c {entry['int8_draft']['c']:.3f}"
-          + (f", small c {entry['small_draft']['c']:.3f}" if 'small_draft' in entry else ''))
+          + (f", small c {entry['small_draft']['c']:.3f}" if 'small_draft' in entry else '')
+          + (f", head c {entry['feature_head']['c']:.3f}" if 'feature_head' in entry else ''))
 
 
 # ---------------------------------------------------------------------------
@@ -481,16 +511,25 @@ def part_table2(run: Run) -> dict:
   branch_c = {draft: accelerator.draft_cost_by_branches(steps, one)
               for draft, steps in draft_steps.items() if steps}
   rows = accelerator.table2_predictions(draft_c, verify_cost, branch_c=branch_c)
+  if 'feature_head' in target_entry:
+    draft_c['feature head'] = target_entry['feature_head']['c']
+    rows += accelerator.table2_predictions(draft_c, verify_cost, rows=(
+        {'task': 'EnDe', 'draft': 'feature head', 'temperature': 0, 'paper_gamma': None,
+         'alpha': run.args.feature_alpha, 'paper_speedup': None, 'paper_c': None},))
   for row in rows:
     if row['predicted_speedup'] is not None:
       print(f"c: {row['task']} {row['draft']} T={row['temperature']}: predicted "
             f"{row['predicted_speedup']:.2f}x at gamma {row['best_gamma']}; best chain "
             f"{_shape(row['best_chain'])}, best tree {_shape(row['best_tree'])} "
-            f"(paper {row['paper_speedup']}x at {row['paper_gamma']})", flush=True)
+            + (f"(paper {row['paper_speedup']}x at {row['paper_gamma']})"
+               if row['paper_speedup'] else f"(alpha {row['alpha']} measured here)"),
+            flush=True)
   return {'target': config_name(run, target), 'c': draft_c, 'verify_cost': verify_cost,
           'branch_c': branch_c,
           'note': 'c = draft one-position step / target one-position step (part a, '
-                  'batch 1, bfloat16); V(k) the target\'s; alpha from the paper\'s Table 3',
+                  'batch 1, bfloat16); V(k) the target\'s; alpha from the paper\'s Table 3 '
+                  '(the feature head\'s: --feature_alpha, measured on the CPU for the '
+                  'shipped EnDe head)',
           'rows': rows}
 
 
@@ -800,8 +839,8 @@ def markdown(record: dict) -> str:
               f"one-position step (int8: a proposal of gamma = {a['gamma']} / gamma steps).",
               '', '| target | batch | params | step | bandwidth | '
               + ' | '.join(f'V({k})' for k in positions)
-              + ' | int8 c | int8 bandwidth | small c |',
-              '|---' * (8 + len(positions)) + '|']
+              + ' | int8 c | int8 bandwidth | small c | head c |',
+              '|---' * (9 + len(positions)) + '|']
     for size, batches in a['targets'].items():
       for batch, entry in batches.items():
         if 'steps' not in entry:
@@ -815,7 +854,8 @@ def markdown(record: dict) -> str:
             + ' | '.join(_fmt(steps[k]['V'], '.2f') if k in steps else '-' for k in positions)
             + f" | {_fmt(entry['int8_draft']['c'])} | "
             f"{_pct(entry['int8_draft']['bandwidth_fraction'])} | "
-            f"{_fmt(entry.get('small_draft', {}).get('c'))} |")
+            f"{_fmt(entry.get('small_draft', {}).get('c'))} | "
+            f"{_fmt(entry.get('feature_head', {}).get('c'))} |")
     for batch, draft in a['drafts']['small'].items():
       if 'step_ms' in draft:
         lines.append('')
@@ -859,8 +899,9 @@ def markdown(record: dict) -> str:
             f"{_fmt(row['c'])} | {_fmt(row['best_gamma'], 'd')} | "
             f"{_x(row['predicted_speedup'])} | {_x(row['predicted_at_paper_gamma'])} | "
             f"{_x(row['theorem_3_8_speedup'])} | {_shape(row.get('best_chain'))} | "
-            f"{_shape(row.get('best_tree'))} | {row['paper_gamma']} | "
-            f"{row['paper_c']} | {row['paper_speedup']}x |")
+            f"{_shape(row.get('best_tree'))} | {row['paper_gamma'] or '-'} | "
+            f"{row['paper_c'] or '-'} | "
+            f"{_x(row['paper_speedup']) if row['paper_speedup'] else '- (alpha measured here)'} |")
     else:
       lines.append(str(c))
     lines.append('')
