@@ -104,6 +104,12 @@ def test_a_cpu_trace_counts_thunks_without_markers_or_containers(tmp_path):
   counts = profile.count_events(profile.load_events(str(path)))
   assert (counts.source, counts.kernels, counts.host_waits) == ('XLA:CPU thunks (host)', 2, 0)
   assert counts.busy_ms == pytest.approx(0.007) and counts.span_ms == pytest.approx(0.010)
+  # A trace with no operations says so rather than counting zero kernels of a device.
+  empty = _write_trace(tmp_path / 'empty.trace.json.gz', {1: ('/host:CPU', {10: 'python'})},
+                       [(1, 10, 'cuStreamSynchronize', 0, 1, None)])
+  counts = profile.count_events(profile.load_events(str(empty)))
+  assert (counts.source, counts.kernels, counts.host_waits) == (
+      'no device operations traced', 0, 1)
 
 
 def test_a_real_trace_counts_the_programs_operations():

@@ -706,7 +706,8 @@ def part_profile(run: Run) -> dict:
     if not run.budget.allows(estimate):
       out['variants'][name] = {'flags': flags, 'skipped': 'over the part budget'}
       continue
-    seconds = max(3 * estimate, 60.0)
+    # The rest of the part's time, or half as long again as expected where that is more.
+    seconds = max(1.5 * estimate, run.budget.part_deadline - run.budget.clock())
     began = time.perf_counter()
     out['variants'][name] = dict(run_variant(run, flags, seconds), flags=flags,
                                  seconds=time.perf_counter() - began)

@@ -129,7 +129,8 @@ def device_events(events: Sequence[Event]) -> tuple[str, list[Event]]:
   thunks = [e for e in events if not _on_device(e) and 'hlo_op' in e.args
             and not e.name.startswith('end: ')
             and not _CONTAINER_OP.match(str(e.args.get('hlo_op', '')))]
-  return 'XLA:CPU thunks (host)', thunks
+  # Neither: a device whose profiler recorded no operations (e.g. no CUPTI).
+  return ('XLA:CPU thunks (host)' if thunks else 'no device operations traced'), thunks
 
 
 def busy_and_span(events: Iterable[Event]) -> tuple[float, float]:
