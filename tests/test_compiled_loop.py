@@ -24,7 +24,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from test_accelerator_path import (ONE_LAYER, _encoder_tokens, _params, computations,

@@ -740,8 +740,8 @@ def profile_child(args) -> dict:
   return result
 
 
-PART_FUNCTIONS = {'p': part_profile, 'a': part_step_costs, 'b': part_loop_overhead, 'c': part_table2,
-                  'd': part_end_to_end, 'e': part_drafters}
+PART_FUNCTIONS = {'p': part_profile, 'a': part_step_costs, 'b': part_loop_overhead,
+                  'c': part_table2, 'd': part_end_to_end, 'e': part_drafters}
 
 
 # ---------------------------------------------------------------------------
