@@ -166,6 +166,18 @@ def test_flags_are_checked():
   for wrong in ('--variants=fast', '--dtypes=float16', '--auto_gammas=0', '--auto_gammas=x'):
     with pytest.raises(SystemExit):
       accelerator_bench._parse_args([wrong])
+  assert tiny.profile_loops == ['early_exit', 'static'] and tiny.profile_variants == 'auto'
+  variants = accelerator_bench._parse_args([
+      '--profile_variants=cb=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL; '
+      'two=--xla_a=1 --xla_b=2', '--profile_loops=static'])
+  assert variants.profile_variants == {
+      'cb': '--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL', 'two': '--xla_a=1 --xla_b=2'}
+  assert variants.profile_loops == ['static']
+  assert accelerator_bench._parse_args(['--profile_variants=none']).profile_variants == {}
+  for bad in ('--profile_variants=cb', '--profile_variants=cb=xla_a=1',
+              '--profile_loops=unrolled'):
+    with pytest.raises(SystemExit):
+      accelerator_bench._parse_args([bad])
   widths = accelerator_bench._parse_args(['--gamma=2', '--decode_positions=0,gamma,5'])
   assert widths.decode_positions == [0, 3, 5]
   for narrow in ('2', 'four'):  # narrower than gamma + 1; not a width
@@ -213,8 +225,8 @@ def _positive(value):
 def test_every_part_is_written_when_it_ends(tiny_run):
   record, writes, out = tiny_run
   assert record['parts_done'] == list(PARTS)
-  headings = {'a': '## a. Step costs', 'b': '## b.', 'c': '## c. Table 2', 'd': '## d. End',
-              'e': '## e. Drafters'}
+  headings = {'p': '## p. Where the time goes', 'a': '## a. Step costs', 'b': '## b.',
+              'c': '## c. Table 2', 'd': '## d. End', 'e': '## e. Drafters'}
   for index, part in enumerate(PARTS):
     # The first write that reports the part done holds it, on disk, in both files.
     done, on_disk, md = next(w for w in writes if part in w[0])
@@ -348,3 +360,52 @@ def test_drafters(tiny_run):
       assert run['identical_outputs'] is (True if temperature == 0.0 else None)
   # The int8 copy of the target's own decoder proposes nearly the target's tokens.
   assert record['drafters']['int8']['runs'][0.0]['alpha'] > 0.5
+
+
+def _check_profile_forms(forms, expected):
+  assert sorted(forms) == sorted(expected)
+  for form, entry in forms.items():
+    assert entry['iterations'] > 0 and entry['tokens'] > 0, form
+    for field in ('iteration_ms', 'proposal_ms', 'draft_token_ms', 'loop_ms', 'prologue_ms'):
+      assert _positive(entry[field]), (form, field)
+    assert entry['draft_token_ms'] == pytest.approx(entry['proposal_ms'] / 3)
+    loop, draft = entry['loop'], entry['draft']
+    # The CPU has no device streams: the XLA:CPU thunks, no copies to a host, no waits.
+    assert _positive(loop['kernels_per_iteration']) and _positive(draft['kernels_per_draft_step'])
+    assert loop['d2h_copies_per_iteration'] == loop['host_waits_per_iteration'] == 0
+    assert draft['d2h_copies_per_draft_step'] == draft['host_waits_per_draft_step'] == 0
+    assert 0.0 <= loop['idle_fraction'] <= 1.0 and loop['busy_ms'] <= loop['span_ms']
+
+
+def test_profile(tiny_run):
+  record = tiny_run[0]
+  part = record['parts'][NAMES['p']]
+  assert part['trace_source'] == 'XLA:CPU thunks (host)'
+  assert part['draft_loop_auto'] == 'early_exit'  # the CPU's
+  assert part['variants'] == {}  # flag variants run on a GPU (or when asked for)
+  assert part['skipped'] == [] and part['xla_flags'] == record['xla_flags']
+  _check_profile_forms(part['forms'], ['early_exit', 'static'])
+  # Both forms run the same draft steps here (random weights: no EOS, no early stop).
+  kernels = {f: e['draft']['kernels_per_draft_step'] for f, e in part['forms'].items()}
+  assert kernels['static'] == pytest.approx(kernels['early_exit'], rel=0.2)
+  assert _positive(part['verify']['kernels_per_verify_step']) and _positive(
+      part['verify_step_ms'])
+
+
+def test_profile_variants_run_in_child_processes(tmp_path):
+  """A variant whose flags XLA takes runs part p in a child process under them (here
+  one this process already has, so the child loads its programs from the compilation
+  cache); one XLA refuses at start-up is recorded as refused."""
+  same = '--xla_cpu_parallel_codegen_split_count=1'  # tests/conftest.py sets it
+  record = accelerator_bench.main([
+      '--tiny', '--parts=p', '--profile_loops=static', '--repeats=2',
+      f'--profile_variants=same={same};bogus=--xla_no_such_flag=1',
+      f'--output_dir={tmp_path}'])
+  variants = record['parts'][NAMES['p']]['variants']
+  assert variants['same']['flags'] == same
+  assert same in variants['same']['xla_flags']  # the child's own XLA_FLAGS
+  _check_profile_forms(variants['same']['forms'], ['static'])
+  assert 'xla_no_such_flag' in variants['bogus']['refused']
+  assert 'forms' not in variants['bogus']
+  written = (tmp_path / 'cpu-tiny.md').read_text()
+  assert 'same (`' in written and 'bogus (`--xla_no_such_flag=1`): refused' in written

@@ -134,6 +134,10 @@ def test_infer_writes_records_and_summary(tiny_checkpoints):
   assert summary['baseline_bleu'] == summary['speculative_bleu']
   assert 0.0 <= summary['alpha'] <= 1.0 and summary['tokens_per_target_call'] >= 1.0
   assert json.loads((tmp_path / 'out' / 'summary.json').read_text())['examples'] == 5
+  # What the run decoded with (jaxspec.launch.platform_settings): the CPU's early exit.
+  assert summary['platform_settings'] == {
+      'platform': 'cpu', 'draft_loop': 'early_exit',
+      'xla_flags': os.environ.get('XLA_FLAGS', ''), 'platform_xla_flags': []}
 
 
 def test_infer_in_bfloat16_decodes_with_fixed_width_target_steps(tiny_checkpoints):

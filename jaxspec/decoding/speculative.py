@@ -41,6 +41,7 @@ from jaxspec.errors import InvalidSetting
 from jaxspec.config import EOS_ID, OMIT_AT_DEFAULT, T5Config
 from jaxspec.decoding import common
 from jaxspec.decoding.verification import tree as multi_draft
+from jaxspec.decoding.drafters import loops as draft_loops
 from jaxspec.decoding.drafters.base import DraftContext, Drafter, drafts_through_first
 from jaxspec.model import T5, DecoderCache, rollback
 from jaxspec.model.cpu import matmul as cpu_matmul
@@ -99,9 +100,16 @@ class SpeculativeConfig:
   # where a step's cost grows with its positions (the CPU kernel: 5 rows a pass with
   # AVX-512), for outputs short against gamma; () always verifies gamma + 1.
   verify_lengths: tuple[int, ...] = dataclasses.field(default=(), metadata=OMIT_AT_DEFAULT)
+  # How a drafter's proposal loops over its draft steps (jaxspec/decoding/drafters/loops.py):
+  # 'early_exit' ends them once every row has stopped (a while loop whose trip count XLA
+  # cannot see: XLA:GPU waits on the host for its condition at every step); 'static'
+  # runs gamma steps, those after every row stopped discarded (a trip count XLA sees);
+  # 'auto': early exit on the CPU, static elsewhere. The output is the same either way.
+  draft_loop: str = dataclasses.field(default=draft_loops.AUTO, metadata=OMIT_AT_DEFAULT)
 
   def __post_init__(self):
     validation.check_gamma_setting('jaxspec.SpeculativeConfig.gamma', self.gamma)
+    draft_loops.check_draft_loop(self.draft_loop, 'jaxspec.SpeculativeConfig.draft_loop')
     if not 0.0 < self.lenience <= 1.0:
       raise InvalidSetting(f'lenience must be in (0, 1] (1 is exact), got {self.lenience}')
     if self.verification not in verification.RULES:
@@ -325,7 +333,8 @@ def _iteration_of_rule(state: _LoopState, target_params, drafter_params, encoder
   # Drafts after a row's first drafted EOS are never committed: the drafter may stop
   # there, and they count as not proposed.
   context = DraftContext(tokens=state.tokens, length=state.length,
-                         encoder_tokens=encoder_tokens, eos_id=eos_id)
+                         encoder_tokens=encoder_tokens, eos_id=eos_id,
+                         draft_loop=spec.draft_loop)
   if spec.draft_confidence_threshold > 0.0:
     drafts, draft_probs, confidence, drafter_state = drafter.propose_with_confidence(
         drafter_params, state.drafter_state, context, gamma, sampling, draft_keys,
@@ -411,7 +420,8 @@ def _coupled_iteration(state: _LoopState, target_params, drafter_params, encoder
   keys = None if sampling.is_greedy else common.position_keys(state.row_keys, state.length,
                                                                gamma + 1)
   context = DraftContext(tokens=state.tokens, length=state.length,
-                         encoder_tokens=encoder_tokens, eos_id=eos_id)
+                         encoder_tokens=encoder_tokens, eos_id=eos_id,
+                         draft_loop=spec.draft_loop)
   drafts, draft_noise, drafter_state = drafter.propose_coupled(
       drafter_params, state.drafter_state, context, gamma, sampling,
       None if keys is None else keys[:, :gamma], draft_keys)
@@ -444,7 +454,7 @@ def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, enc
   gamma, num_branches = spec.gamma, spec.num_drafts
   draft_keys, verdict_keys = _iteration_keys(state)
   context = DraftContext(tokens=state.tokens, length=state.length,
-                         encoder_tokens=encoder_tokens)
+                         encoder_tokens=encoder_tokens, draft_loop=spec.draft_loop)
   # [b, k, g], [b, k, g, v], the drafter state of every branch [b k].
   drafts, draft_probs, branch_state = multi_draft.propose_tree(
       drafter, drafter_params, state.drafter_state, context, gamma, num_branches, sampling,

@@ -6,6 +6,15 @@
 
 Parts (--parts, in this order; each under a share of --budget_s, what a part leaves
 unused going to the later ones, and the items past a part's deadline skipped and named):
+  p  where the time goes (jaxspec.measure.profile): a jax.profiler trace of the
+     speculative loop (T5.1.1 --loop_size target, small draft, batch 1, greedy), of a
+     run of proposals and of verify steps, in each draft loop form (early exit, static
+     trip count): kernels per draft step and per verify step, device-to-host copies and
+     host waits per iteration, the device's idle time between kernels, and each form's
+     time per iteration and per proposal. On a GPU the same again under XLA flag
+     variants (command buffers with WHILE and CONDITIONAL, graph size, loop unrolling),
+     each in a child process of this command (XLA reads its flags once, at start-up);
+     a flag the installed XLA refuses is recorded as refused.
   a  bfloat16 step costs at T5.1.1 shapes (--sizes of base, large, xl, xxl; vocab 32128;
      random weights), at each of --batch_sizes: the one-position cached decode step,
      V(k) = step over k positions / step over 1 for k in --positions, the proposal of
@@ -48,8 +57,11 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -65,15 +77,33 @@ from jaxspec.decoding.drafters.feature import FeatureDrafter, FeatureDrafterWith
 from jaxspec.model import feature_draft
 from jaxspec.measure import accelerator, step_costs
 from jaxspec.model.cpu import layout as kernel_layout
+from jaxspec.decoding.drafters import loops as draft_loops
+from jaxspec.measure import accelerator, step_costs
+from jaxspec.measure import profile as profile_lib
 from jaxspec.model.cpu import matmul as cpu_matmul_lib
 from jaxspec.launch import command
 
-PARTS = ('a', 'b', 'c', 'd', 'e')
-PART_NAMES = {'a': 'step_costs', 'b': 'loop_overhead', 'c': 'table2', 'd': 'end_to_end',
-              'e': 'drafters'}
+PARTS = ('p', 'a', 'b', 'c', 'd', 'e')
+PART_NAMES = {'p': 'profile', 'a': 'step_costs', 'b': 'loop_overhead', 'c': 'table2',
+              'd': 'end_to_end', 'e': 'drafters'}
 # Shares of the budget: step costs compile the most programs (a decode loop per size,
-# batch and k), the end-to-end parts a decode loop per dtype, batch and temperature.
-SHARES = {'a': 0.45, 'b': 0.1, 'c': 0.0, 'd': 0.25, 'e': 0.2}
+# batch and k), the end-to-end parts a decode loop per dtype, batch and temperature;
+# the profile two speculative loops and their parts, then a child process per variant.
+SHARES = {'p': 0.25, 'a': 0.45, 'b': 0.1, 'c': 0.0, 'd': 0.25, 'e': 0.2}
+# Part p's XLA flag variants on a GPU (--profile_variants=auto), each run in a child
+# process: XLA:GPU's command buffers (CUDA graphs) with WHILE and CONDITIONAL, which can
+# keep a loop's condition on the device; with every graph captured however small; with
+# loops of known trip count unrolled into the graph.
+COMMAND_BUFFER_WHILE = '--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL'
+GPU_FLAG_VARIANTS = {
+    'command_buffer_while': COMMAND_BUFFER_WHILE,
+    'command_buffer_while_min_graph_1': f'{COMMAND_BUFFER_WHILE} --xla_gpu_graph_min_graph_size=1',
+    'command_buffer_while_unrolled': (f'{COMMAND_BUFFER_WHILE} '
+                                      '--xla_gpu_command_buffer_unroll_loops=true'),
+}
+# Seconds a child process takes beyond the compiles measured in this one (start-up,
+# imports, the device's initialization, timing and traces).
+CHILD_OVERHEAD_S = 20.0
 # Part a's A/B items: name -> (kernel layout, None for the run's own; decode_attention).
 VARIANTS = {'t5x_layout': (kernel_layout.T5X, DECODE_ATTENTION_EINSUM),
             'dot_product_attention': (None, DECODE_ATTENTION_JAX)}
@@ -97,12 +127,12 @@ def _parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--parts', default=','.join(PARTS),
-                      help='comma-separated parts among a,b,c,d,e (above)')
+                      help='comma-separated parts among p,a,b,c,d,e (above)')
   parser.add_argument('--sizes', default=','.join(TARGET_SIZES),
                       help=f'T5.1.1 targets of part a among {",".join(TARGET_SIZES)}')
   parser.add_argument('--budget_s', type=float, default=300.0,
                       help='wall-clock seconds for all parts, compiles included; a part '
-                      'gets a share of what is left (a 45%%, b 10%%, d 25%%, e 20%%)')
+                      'gets its share of what is left (p 25, a 45, b 10, d 25, e 20)')
   parser.add_argument('--output_dir', default=os.path.join('results', 'accelerator'))
   parser.add_argument('--tiny', action='store_true',
                       help=f'tiny random shapes ({TINY_TARGET} target, {TINY_DRAFT} draft) '
@@ -148,6 +178,13 @@ def _parse_args(argv):
   parser.add_argument('--feature_alpha', type=float, default=FEATURE_ALPHA,
                       help="part c's alpha of the feature-level head (jaxspec.FeatureDrafter; "
                       'default: the EnDe T=0 alpha measured on the CPU for the shipped head)')
+  parser.add_argument('--profile_loops', default='early_exit,static',
+                      help='part p: the draft loop forms profiled (SpeculativeConfig.draft_loop)')
+  parser.add_argument('--profile_variants', default='auto',
+                      help="part p: XLA flag variants, each profiled in a child process: "
+                      "'auto' (on a GPU: GPU_FLAG_VARIANTS; elsewhere none), 'none', or "
+                      "'name=--flag=value --flag=value;name=...'")
+  parser.add_argument('--profile_child', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--seed', type=int, default=0)
   command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
@@ -199,7 +236,28 @@ def _parse_args(argv):
   if not args.tiny and args.loop_size not in TARGET_SIZES:
     parser.error(f'--loop_size must be one of {",".join(TARGET_SIZES)}')
   args.loop_length = args.loop_length or (16 if args.tiny else 64)
+  args.profile_loops = [f for f in args.profile_loops.split(',') if f]
+  if not args.profile_loops or set(args.profile_loops) - {'early_exit', 'static'}:
+    parser.error("--profile_loops: a list of 'early_exit' and 'static'")
+  try:
+    args.profile_variants = _parse_variants(args.profile_variants)
+  except ValueError as error:
+    parser.error(str(error))
   return args
+
+
+def _parse_variants(text: str):
+  """'auto' (the platform's, chosen once the device is known), 'none' or
+  'name=flags;name=flags' -> 'auto' or {name: flags}."""
+  if text == 'auto':
+    return text
+  variants = {}
+  for item in (t.strip() for t in text.split(';') if text != 'none'):
+    name, _, flags = item.partition('=')
+    if not item or not name or not flags.strip().startswith('--'):
+      raise ValueError(f"--profile_variants: 'name=--flag=value ...' items, got {item!r}")
+    variants[name.strip()] = flags.strip()
+  return variants
 
 
 @dataclasses.dataclass
@@ -736,8 +794,149 @@ def part_drafters(run: Run) -> dict:
   return out
 
 
-PART_FUNCTIONS = {'a': part_step_costs, 'b': part_loop_overhead, 'c': part_table2,
-                  'd': part_end_to_end, 'e': part_drafters}
+# ---------------------------------------------------------------------------
+# Part p: where the time goes.
+
+
+def _profile_setup(run: Run) -> profile_lib.ProfileSetup:
+  args = run.args
+  return profile_lib.ProfileSetup(
+      gamma=args.gamma, max_decode_length=args.loop_length,
+      num_proposals=2 if args.tiny else 8, draft_loops=tuple(args.profile_loops),
+      repeats=args.repeats)
+
+
+def _profile_models(run: Run):
+  """(target config, params, draft config, params) of part p: part b's pair."""
+  args = run.args
+  config, draft_config = run.config(args.loop_size), run.config('small')
+  return (config, accelerator.random_params(config, args.seed), draft_config,
+          accelerator.random_params(draft_config, args.seed + 2))
+
+
+def profile_here(run: Run) -> dict:
+  """Part p's measurements in this process, under its XLA flags."""
+  config, params, draft_config, draft_params = _profile_models(run)
+  result = profile_lib.profile_decode(
+      params, config, T5Drafter(draft_config), draft_params, setup=run.setup(1),
+      profile=_profile_setup(run), seed=run.args.seed, deadline=run.budget.allows)
+  result['xla_flags'] = os.environ.get('XLA_FLAGS', '')
+  return result
+
+
+def _child_command(run: Run, path: str, seconds: float) -> list[str]:
+  """This command again, profiling only (part p in this process's settings)."""
+  args = run.args
+  command = [sys.executable, '-m', 'jaxspec.launch.accelerator_bench', '--parts=p',
+             f'--profile_child={path}', '--profile_variants=none',
+             f"--profile_loops={','.join(args.profile_loops)}", f'--budget_s={seconds:.0f}',
+             f'--gamma={args.gamma}', f'--repeats={args.repeats}', f'--seed={args.seed}',
+             f'--loop_length={args.loop_length}', f'--cpu_matmul={args.cpu_matmul}',
+             f'--output_dir={os.path.dirname(path)}']
+  if args.tiny:
+    return command + ['--tiny']
+  return command + [f'--sizes={args.loop_size}', f'--loop_size={args.loop_size}']
+
+
+def _refusal(stderr: str) -> str | None:
+  """XLA's message where it refused a flag at start-up ('Unknown flag in XLA_FLAGS:
+  ...', an illegal value), else None."""
+  for line in stderr.splitlines():
+    if re.search(r'(unknown|illegal|invalid).*flag|flag.*(unknown|illegal|invalid|parse)',
+                 line, re.IGNORECASE):
+      return line.strip()
+  return None
+
+
+def run_variant(run: Run, flags: str, seconds: float) -> dict:
+  """Part p in a child process with `flags` added to XLA_FLAGS: its record, or
+  {'refused': XLA's message}, {'failed': ...} or {'timed_out_s': ...}."""
+  environment = dict(os.environ)
+  environment['XLA_FLAGS'] = f"{environment.get('XLA_FLAGS', '')} {flags}".strip()
+  with tempfile.TemporaryDirectory(prefix='jaxspec-profile-child-') as scratch:
+    path = os.path.join(scratch, 'profile.json')
+    try:
+      finished = subprocess.run(_child_command(run, path, seconds), env=environment,
+                                capture_output=True, text=True, timeout=seconds)
+    except subprocess.TimeoutExpired:
+      return {'timed_out_s': seconds}
+    if finished.returncode == 0 and os.path.exists(path):
+      with open(path) as f:
+        return json.load(f)
+  refused = _refusal(finished.stderr)
+  if refused:
+    return {'refused': refused}
+  tail = ' | '.join(finished.stderr.strip().splitlines()[-3:])
+  return {'failed': f'exit status {finished.returncode}: {tail}'}
+
+
+def _variants(run: Run) -> dict[str, str]:
+  variants = run.args.profile_variants
+  if variants == 'auto':
+    return dict(GPU_FLAG_VARIANTS) if run.record['device']['platform'] == 'gpu' else {}
+  return variants
+
+
+def part_profile(run: Run) -> dict:
+  args = run.args
+  out = {'target': config_name(run, args.loop_size), 'draft': config_name(run, 'small'),
+         'dtype': 'bfloat16', 'batch': 1, 'gamma': args.gamma,
+         'max_decode_length': args.loop_length,
+         'draft_loop_auto': draft_loops.draft_loop_for(run.record['device']['platform']),
+         'variants': {}}
+  run.record['parts'][PART_NAMES['p']] = out
+  start = time.perf_counter()
+  out.update(profile_here(run))
+  for form, entry in out['forms'].items():
+    print(f"p: {form}: iteration {entry['iteration_ms']:.3f} ms, proposal "
+          f"{entry['proposal_ms']:.3f} ms" + (
+              f", {_fmt(entry['loop']['d2h_copies_per_iteration'], '.1f')} device-to-host "
+              f"copies and {_fmt(entry['loop']['host_waits_per_iteration'], '.1f')} host waits "
+              f"an iteration, idle {_pct(entry['loop']['idle_fraction'])}"
+              if 'loop' in entry else ''), flush=True)
+  run.write()
+  # A child compiles what this process compiled, after its start-up.
+  estimate = out.get('first_calls_s', 0.0) + CHILD_OVERHEAD_S
+  for name, flags in _variants(run).items():
+    if not run.budget.allows(estimate):
+      out['variants'][name] = {'flags': flags, 'skipped': 'over the part budget'}
+      continue
+    # The rest of the part's time, or half as long again as expected where that is more.
+    seconds = max(1.5 * estimate, run.budget.part_deadline - run.budget.clock())
+    began = time.perf_counter()
+    out['variants'][name] = dict(run_variant(run, flags, seconds), flags=flags,
+                                 seconds=time.perf_counter() - began)
+    print(f'p: variant {name}: ' + _variant_line(out['variants'][name]), flush=True)
+    run.write()
+  out['seconds'] = time.perf_counter() - start
+  return out
+
+
+def _variant_line(entry: dict) -> str:
+  """A variant's outcome: its forms' times, or why it has none."""
+  if entry.get('forms'):
+    return ', '.join(f"{form} iteration {e['iteration_ms']:.3f} ms"
+                     for form, e in entry['forms'].items())
+  for outcome in ('refused', 'failed', 'timed_out_s', 'skipped'):
+    if outcome in entry:
+      return f'{outcome}: {entry[outcome]}'
+  return str(entry)
+
+
+def profile_child(args) -> dict:
+  """--profile_child: part p here, written to the path the parent gave."""
+  device = accelerator.device_description()
+  run = Run(args=args, budget=accelerator.Budget(args.budget_s, {'p': 1.0}),
+            record={'device': device, 'parts': {}}, json_path='', md_path='',
+            peak=device['peak_bandwidth_bytes_per_s'])
+  run.budget.begin('p', [])
+  result = profile_here(run)
+  inference.write_text_atomic(args.profile_child, json.dumps(_jsonable(result)) + '\n')
+  return result
+
+
+PART_FUNCTIONS = {'p': part_profile, 'a': part_step_costs, 'b': part_loop_overhead,
+                  'c': part_table2, 'd': part_end_to_end, 'e': part_drafters}
 
 
 # ---------------------------------------------------------------------------
@@ -815,6 +1014,50 @@ def _auto_lines(d: dict) -> list[str]:
   return lines
 
 
+def _profile_rows(label: str, forms: dict) -> list[str]:
+  rows = []
+  for form, entry in forms.items():
+    loop, draft = entry.get('loop', {}), entry.get('draft', {})
+    rows.append(
+        f"| {label} | {form} | {entry['iteration_ms']:.3f} ms | {entry['proposal_ms']:.3f} ms | "
+        f"{entry['draft_token_ms']:.3f} ms | {_fmt(draft.get('kernels_per_draft_step'), '.1f')} | "
+        f"{_fmt(loop.get('kernels_per_iteration'), '.0f')} | "
+        f"{_fmt(loop.get('d2h_copies_per_iteration'), '.2f')} | "
+        f"{_fmt(loop.get('host_waits_per_iteration'), '.2f')} | "
+        f"{_fmt(loop.get('idle_ms_per_iteration'), '.3f')} ms | "
+        f"{_pct(loop.get('idle_fraction'))} |")
+  return rows
+
+
+def _profile_markdown(p: dict | None) -> list[str]:
+  if not p:
+    return []
+  if 'forms' not in p:
+    return ['## p. Where the time goes', '', str(p), '']
+  verify = p.get('verify', {})
+  lines = ['## p. Where the time goes (jax.profiler traces)', '',
+           f"{p['target']} target, {p['draft']} draft, {p['dtype']}, batch {p['batch']}, gamma "
+           f"{p['gamma']}, {p['max_decode_length']} tokens; operations read from "
+           f"{p.get('trace_source', '-')}; 'auto' draft loop here: {p['draft_loop_auto']}. "
+           f"Verify step: {p['verify_step_ms']:.3f} ms, "
+           f"{_fmt(verify.get('kernels_per_verify_step'), '.1f')} kernels. Per iteration: "
+           'the loop less its prologue, over its iterations; idle: no device operation '
+           'running within the program.', '',
+           '| XLA flags | draft loop | iteration | proposal | per draft token | kernels per '
+           'draft step | kernels per iteration | D2H copies per iteration | host waits per '
+           'iteration | idle per iteration | idle |', '|---' * 11 + '|']
+  lines += _profile_rows(p.get('xla_flags') or 'defaults', p['forms'])
+  notes = []
+  for name, variant in p.get('variants', {}).items():
+    if 'forms' in variant:
+      lines += _profile_rows(f"{name} (`{variant['flags']}`)", variant['forms'])
+    else:
+      notes.append(f"{name} (`{variant['flags']}`): {_variant_line(variant)}")
+  if p.get('skipped'):
+    notes.append(f"skipped: {p['skipped']}")
+  return lines + ([''] + [f'- {note}' for note in notes] if notes else []) + ['']
+
+
 def markdown(record: dict) -> str:
   device = record['device']
   peak = device.get('peak_bandwidth_bytes_per_s')
@@ -829,6 +1072,7 @@ def markdown(record: dict) -> str:
            f"Parts done: {', '.join(record['parts_done']) or 'none'}"
            + (f"; skipped: {record['parts_skipped']}" if record['parts_skipped'] else ''), '']
   parts = record['parts']
+  lines += _profile_markdown(parts.get(PART_NAMES['p']))
   a = parts.get(PART_NAMES['a'])
   if a:
     positions = [k for k in a['positions'] if k > 1]
@@ -962,6 +1206,8 @@ def markdown(record: dict) -> str:
 
 def main(argv=None):
   args = _parse_args(sys.argv[1:] if argv is None else argv)
+  if args.profile_child:
+    return profile_child(args)
   device = accelerator.device_description()
   slug = accelerator.device_slug(device['device_kind']) + ('-tiny' if args.tiny else '')
   command = 'jaxspec-accelerator-bench ' + ' '.join(
@@ -971,6 +1217,7 @@ def main(argv=None):
       'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
       'device': device, 'versions': accelerator.versions(), 'command': command.strip(),
       'matmul': cpu_matmul_lib.kernel_status(args.cpu_matmul),
+      'xla_flags': os.environ.get('XLA_FLAGS', ''),
       'settings': {k: v for k, v in vars(args).items()},
       'parts_done': [], 'parts_skipped': {}, 'parts': {}}
   record['provenance'] = {

@@ -22,7 +22,7 @@ import sys
 import gin
 import jax
 
-from jaxspec.launch import bench_output, command, gin_flags
+from jaxspec.launch import bench_output, command, gin_flags, platform_settings
 from jaxspec.launch import infer as infer_script
 
 DEFAULT_GIN_FILE = infer_script.DEFAULT_GIN_FILE
@@ -90,6 +90,7 @@ def run(*, gin_file: str, batch_sizes, temperatures, num_examples: int, output_d
       # of memory mappings (XLA:CPU maps each compiled program).
       jax.clear_caches()
       record['rows'].append(row(summary, batch_size, float(temperature)))
+      record['platform_settings'] = summary['platform_settings']
       record['provenance']['load_average'] = f'{os.getloadavg()[0]:.2f}'  # 1 minute
       write(output_dir, name, record)
       print(f'batch {batch_size}, T={temperature:g}: speedup {summary["speedup"]:.2f} '
@@ -99,6 +100,7 @@ def run(*, gin_file: str, batch_sizes, temperatures, num_examples: int, output_d
 
 
 def main(argv: list[str] | None = None):
+  platform_settings.apply()  # before JAX starts its backend, which reads XLA_FLAGS once
   argv = sys.argv[1:] if argv is None else argv
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--gin_file', default=DEFAULT_GIN_FILE)

@@ -49,7 +49,7 @@ import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
 
-from jaxspec.launch import command, gin_flags
+from jaxspec.launch import command, gin_flags, platform_settings
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses and drafters with gin)
 from jaxspec.measure import benchmark as measure, decode_view, metrics
 from jaxspec import errors, inference, validation
@@ -933,6 +933,8 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
   summary = summarize(task.name, task.metric, draft_name, sampling, speculative, writers,
                       range(len(examples)), beam, speculative_beam, target_model.cpu_matmul)
   summary['device'] = jax.devices()[0].device_kind
+  # The platform, the draft loop form and the XLA flags the run decoded with.
+  summary['platform_settings'] = platform_settings.record(speculative.draft_loop)
   summary['batch_size'] = batch_size
   if partitioner:
     summary['mesh'] = dict(partitioner.mesh.shape)
@@ -1052,6 +1054,7 @@ def flagged_output_dir(bindings: Sequence[str]) -> dict:
 
 def main(argv: list[str] | None = None):
   """jaxspec-infer: the flags, then infer() (configs/infer/ende54m_int8.gin by default)."""
+  platform_settings.apply()  # before JAX starts its backend, which reads XLA_FLAGS once
   argv = sys.argv[1:] if argv is None else argv
   if not any(a.startswith('--gin_file') for a in argv):
     argv = [f'--gin_file={DEFAULT_GIN_FILE}'] + list(argv)

@@ -77,6 +77,10 @@ class DraftContext:
   # Set by callers that cut each row's proposal at its first drafted EOS (drafts after
   # it can never be committed): a drafter may then stop drafting a row there.
   eos_id: int | None = flax.struct.field(pytree_node=False, default=None)
+  # How a drafter that decodes step by step loops over its draft steps
+  # (jaxspec.decoding.drafters.loops): 'early_exit', 'static' or 'auto' (early exit on
+  # the CPU, static elsewhere). The drafts are the same either way.
+  draft_loop: str = flax.struct.field(pytree_node=False, default='auto')
 
   def last_two_inputs(self):
     """[b, 2]: decoder inputs x_{length-1}, x_length (x_0 is the start token 0); at

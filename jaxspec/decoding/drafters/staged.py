@@ -25,14 +25,16 @@ stays exact and its acceptance is the middle drafter's:
       equals that draw: the drafts are the drafter's coupled drafts token for token.
       The proposer draws with the same positions' noise (propose_coupled).
 
-Rounds run in a while loop until every row has gamma drafts (or drafted EOS); a
-round's drafts past gamma are dropped. A proposer's cache has read only the drafts it
-proposed or was handed as context, not all those the target then accepts: each proposal
-starts by catching it up (Drafter.catch_up: one step over the last gamma + 1 inputs).
-The middle drafter's cache holds lookahead more positions than it would alone. Its
-first draft of a proposal comes from its usual first step (consume_last_inputs), so a
-proposal costs 1 + rounds drafter steps and rounds proposer calls, against gamma steps
-single-stage; StageStats counts them.
+Rounds run until every row has gamma drafts (or drafted EOS), at most gamma - 1 of
+them (DraftContext.draft_loop: a while loop that exits there, or gamma - 1 rounds with
+those after every row finished discarded); a round's drafts past gamma are dropped. A
+proposer's cache has read only the drafts it proposed or was handed as context, not all
+those the target then accepts: each proposal starts by catching it up
+(Drafter.catch_up: one step over the last gamma + 1 inputs). The middle drafter's cache
+holds lookahead more positions than it would alone. Its first draft of a proposal comes
+from its usual first step (consume_last_inputs), so a proposal costs 1 + rounds drafter
+steps and rounds proposer calls, against gamma steps single-stage; StageStats counts
+them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxspec.decoding.drafters import loops
 from jaxspec.errors import InvalidSetting
 from jaxspec.decoding.drafters.base import (DraftContext, Drafter, DraftSources,
                                             drafts_through_first)
@@ -214,14 +217,17 @@ class StagedDrafter(Drafter):
       count, stopped = carry[0], carry[1]
       return jnp.any(~stopped & (count < gamma))
 
-    def round_(carry):
-      count, stopped, drafts, records, tokens, cache, proposer_state, stats, index = carry
+    def round_(index, carry, live):
+      """One round (number `index`); with live False (every row done drafting: the
+      early-exit loop has ended) it gains nothing and counts nothing."""
+      count, stopped, drafts, records, tokens, cache, proposer_state, stats = carry
       active = ~stopped & (count < gamma)  # [b]
       inner = DraftContext(tokens=tokens, length=start + count,
-                           encoder_tokens=context.encoder_tokens, eos_id=context.eos_id)
+                           encoder_tokens=context.encoder_tokens, eos_id=context.eos_id,
+                           draft_loop=context.draft_loop)
       last = jnp.take_along_axis(drafts, (count - 1)[:, None], axis=1)  # [b, 1]
       with cpu_matmul.active_rows(active):  # rows done drafting cost no products
-        proposals, proposal_record, proposer_state = rule.propose(
+        proposals, proposal_record, new_proposer_state = rule.propose(
             proposer_state, inner, k, count, index)  # [b, k]
         # One step over d_n, p_1..p_k from d_n's slot: logits after each [b, k + 1, v].
         logits, cache = decode(jnp.concatenate([last, proposals], axis=1),
@@ -241,23 +247,34 @@ class StagedDrafter(Drafter):
       if records is not None:
         records = _put(records, count, new_records, gained)
       tokens = _put(tokens, start + count, new, gained)
+      counted = loops.kept(live, 1)  # this round, where it is one the early exit runs
       stats = stats.replace(
-          rounds=stats.rounds + 1, drafter_steps=stats.drafter_steps + 1,
+          rounds=stats.rounds + counted, drafter_steps=stats.drafter_steps + counted,
           proposed=stats.proposed + jnp.sum(jnp.where(active, proposed, 0)),
           accepted=stats.accepted + jnp.sum(jnp.where(active, accepted, 0)))
-      return (count + gained, stopped, drafts, records, tokens, cache, proposer_state, stats,
-              index + 1)
+      return (count + gained, stopped, drafts, records, tokens, cache,
+              _proposer_counts_kept(live, new_proposer_state, proposer_state), stats)
 
     stats = state.stats.replace(drafter_steps=state.stats.drafter_steps + 1)
-    carry = (count, stopped, drafts, records, tokens, cache, proposer_state, stats,
-             jnp.int32(0))
-    count, _, drafts, records, _, cache, proposer_state, stats, _ = jax.lax.while_loop(
-        drafting, round_, carry)
+    carry = (count, stopped, drafts, records, tokens, cache, proposer_state, stats)
+    # Every round gains an active row a draft or more, so gamma - 1 rounds fill gamma.
+    count, _, drafts, records, _, cache, proposer_state, stats = loops.run_draft_steps(
+        context.draft_loop, 0, gamma - 1, drafting, round_, carry)
     if isinstance(proposer_state, StagedState):
       stats = stats.replace(nested=proposer_state.stats)
     state = StagedState(drafter=cache, proposer=proposer_state, stats=stats)
     records = None if records is None else records[:, :gamma]
     return drafts[:, :gamma], records, state
+
+
+def _proposer_counts_kept(live, new_state, old_state):
+  """The proposer's state after a round; where the round is not live (the early-exit
+  loop never ran it) a nested StagedDrafter's counts stay as they were (its caches may
+  hold what the round wrote past every row's end, which nothing reads)."""
+  if live is True or not isinstance(new_state, StagedState):
+    return new_state
+  return new_state.replace(stats=jax.tree_util.tree_map(
+      lambda new, old: jnp.where(live, new, old), new_state.stats, old_state.stats))
 
 
 def _put(buffer, start, values, count):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxspec import inference
 from jaxspec.config import T5Config
+from jaxspec.decoding.drafters import loops
 from jaxspec.decoding.drafters.base import (DraftContext, Drafter, DraftSources,
                                             draft_confidence, draw_tokens)
 from jaxspec.model import T5, DecoderCache, repeat_rows, rollback
@@ -195,7 +196,8 @@ def _propose_steps(decode, cache: DecoderCache, context: DraftContext, gamma: in
   [b, g] (None without stop_below), cache. A row stops after a drafted EOS
   (context.eos_id set) or a draft whose confidence is below stop_below; finished rows
   after their first draft; the steps end when every row has stopped or gamma are
-  drafted."""
+  drafted (context.draft_loop: a while loop that exits there, or gamma - 1 steps with
+  those after every row stopped discarded; the same drafts either way)."""
   last_logits, cache = first_step(decode, cache, context)  # [b, v]
   batch, vocab = last_logits.shape
   first_token, first_record = draw(0, last_logits)
@@ -203,33 +205,34 @@ def _propose_steps(decode, cache: DecoderCache, context: DraftContext, gamma: in
   records = None if first_record is None else jnp.zeros((batch, gamma, vocab), jnp.float32)
   confidences = None if stop_below is None else jnp.zeros((batch, gamma), jnp.float32)
 
-  def record(i, logits, token, draw_record, tokens, records, confidences, stopped):
-    """Records draft i, drawn from logits [b, v]."""
+  def record(i, logits, token, draw_record, tokens, records, confidences, stopped,
+             live=True):
+    """Records draft i, drawn from logits [b, v] (nothing where the step is not live:
+    every row had stopped before it)."""
     stopped = stopped | (False if context.eos_id is None else token == context.eos_id)
     if confidences is not None:
       confidence = draft_confidence(logits, draw_record, sampling)  # [b]
-      confidences = confidences.at[:, i].set(confidence)
+      confidences = confidences.at[:, i].set(loops.kept(live, confidence))
       stopped = stopped | (confidence < stop_below)
     if records is not None:
-      records = records.at[:, i].set(draw_record)
-    return tokens.at[:, i].set(token), records, confidences, stopped
+      records = records.at[:, i].set(loops.kept(live, draw_record))
+    return tokens.at[:, i].set(loops.kept(live, token)), records, confidences, stopped
 
-  def unfinished(carry):
-    i, _, _, _, _, stopped = carry
-    return (i < gamma) & ~jnp.all(stopped)
+  def drafting(carry):
+    return ~jnp.all(carry[-1])  # some row has not stopped
 
-  def step(carry):
-    i, cache, tokens, records, confidences, stopped = carry
+  def step(i, carry, live):
+    cache, tokens, records, confidences, stopped = carry
     with cpu_matmul.active_rows(~stopped):  # a stopped row's steps are never used
       logits, cache = decode(tokens[:, i - 1][:, None], cache)  # [b, 1, v]
     token, draw_record = draw(i, logits[:, 0])
-    return (i + 1, cache) + record(i, logits[:, 0], token, draw_record, tokens, records,
-                                   confidences, stopped)
+    return (cache,) + record(i, logits[:, 0], token, draw_record, tokens, records,
+                             confidences, stopped, live)
 
   first = record(0, last_logits, first_token, first_record, tokens, records, confidences,
                  context.finished())
-  _, cache, tokens, records, confidences, _ = jax.lax.while_loop(
-      unfinished, step, (jnp.int32(1), cache) + first)
+  cache, tokens, records, confidences, _ = loops.run_draft_steps(
+      context.draft_loop, 1, gamma, drafting, step, (cache,) + first)
   return tokens, records, confidences, cache
 
 
