@@ -30,10 +30,11 @@ from test_accelerator_path import (ONE_LAYER, _encoder_tokens, _params, computat
                                    host_transfers, reachable)
 from jaxspec.config import EOS_ID, get_config
 from jaxspec.decoding import baseline, speculative
-from jaxspec.decoding.drafters import (BigramDrafter, Int8Drafter, PromptLookupDrafter,
+from jaxspec.decoding.drafters import (BigramDrafter, FeatureDrafter, Int8Drafter,
+                                       PromptLookupDrafter,
                                        SharedEncoderDrafter, StagedDrafter, T5Drafter)
 from jaxspec.decoding.speculative import SpeculativeConfig
-from jaxspec.model import shared_encoder_draft
+from jaxspec.model import feature_draft, shared_encoder_draft
 from jaxspec.sampling import SamplingConfig
 
 TARGET = get_config('test_tiny_1_1', cpu_matmul='xla', **ONE_LAYER)
@@ -64,6 +65,10 @@ def _drafter(name):
     return BigramDrafter(TARGET.vocab_size), jnp.zeros((TARGET.vocab_size,) * 2)
   if name == 'prompt_lookup':
     return PromptLookupDrafter(TARGET.vocab_size), ()
+  if name == 'feature':  # a feature-level head of one layer over the target
+    head = FeatureDrafter(TARGET)
+    head_params = feature_draft.init_params(head.head_config, jax.random.PRNGKey(2))
+    return head, FeatureDrafter.make_params(head_params, jax.device_get(_target()))
   if name == 'staged':  # the int8 draft speculated with a small T5
     return (StagedDrafter(int8, T5Drafter(DRAFT), lookahead=1),
             {'drafter': int8.draft_params(_target()), 'proposer': _params(DRAFT, 1)})
@@ -151,6 +156,7 @@ STATIC_CASES = {
         ('t5', T1, (('verification', 'block'), ('draft_confidence_threshold', 0.3),
                     ('verify_lengths', (2,)))), [GAMMA - 1]),
     'staged_sampled': (('staged', T1, ()), [GAMMA - 1]),
+    'feature_coupled': (('feature', T1, (('verification', 'coupled'),)), [GAMMA - 1]),
 }
 
 
@@ -204,6 +210,7 @@ EXPORT_CASES = {
     'bigram': [(T1, {})],
     'prompt_lookup': [(GREEDY, {'draft_confidence_threshold': 0.5})],
     'staged': [(T1, {})],
+    'feature': [(GREEDY, {}), (T1, {'verification': 'coupled'}), (GREEDY, {'num_drafts': 2})],
 }
 
 

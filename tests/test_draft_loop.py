@@ -29,11 +29,11 @@ from test_accelerator_path import _params  # random params in the kernels' layou
 from jaxspec import inference
 from jaxspec.config import get_config
 from jaxspec.decoding.baseline import generate
-from jaxspec.decoding.drafters import (Int8Drafter, SharedEncoderDrafter, StagedDrafter,
-                                       T5Drafter)
+from jaxspec.decoding.drafters import (FeatureDrafter, Int8Drafter, SharedEncoderDrafter,
+                                       StagedDrafter, T5Drafter)
 from jaxspec.decoding.drafters import loops
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
-from jaxspec.model import shared_encoder_draft
+from jaxspec.model import feature_draft, shared_encoder_draft
 from jaxspec.sampling import SamplingConfig
 
 ONE_LAYER = {'num_encoder_layers': 1, 'num_decoder_layers': 1}
@@ -144,6 +144,10 @@ def _drafter(name):
     return SharedEncoderDrafter(TARGET, TARGET.emb_dim), _shared_encoder_params()
   if name == 'int8':
     return int8, int8.draft_params(_target())
+  if name == 'feature':  # a feature-level head (random weights) over the target
+    head = FeatureDrafter(TARGET)
+    head_params = feature_draft.init_params(head.head_config, jax.random.PRNGKey(6))
+    return head, FeatureDrafter.make_params(head_params, jax.device_get(_target()))
   if name == 'staged':  # the int8 draft speculated with a small T5, itself staged
     inner = StagedDrafter(int8, T5Drafter(DRAFT), lookahead=1)
     return (StagedDrafter(int8, inner, lookahead=2),
@@ -166,6 +170,7 @@ CASES = {
     'int8_coupled_greedy': ('int8', GREEDY, {'verification': 'coupled'}),
     'staged_greedy': ('staged', GREEDY, {}),
     'staged_sampled': ('staged', T1, {}),
+    'feature_adaptive_sampled': ('feature', T1, {'draft_confidence_threshold': 0.3}),
 }
 
 
