@@ -15,6 +15,7 @@ jaxspec.training.feature_draft: a feature-level draft head over the target's hid
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -414,3 +415,16 @@ train_feature_draft.max_train_examples = 64
   test_scripts._parse(tmp_path, config)
   summary = infer_script.infer()
   assert summary['identical_outputs'] == 5, summary
+
+
+def test_the_shipped_head_fits_the_shipped_target():
+  # checkpoints/ende54m/feature_head (configs/infer/ende54m_feature.gin): a one-layer head
+  # over the 54M EnDe target, read and checked against its shapes.
+  from jaxspec.config import get_config
+  target = get_config('local_target_54m')
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  head = head_checkpoints.load(os.path.join(repo, 'checkpoints/ende54m/feature_head'),
+                               feature_draft.head_config(target, 1))
+  assert head['fuse']['kernel'].shape == (2 * target.emb_dim, target.emb_dim)
+  assert all(np.isfinite(np.asarray(leaf, np.float32)).all()
+             for leaf in jax.tree_util.tree_leaves(head))
