@@ -73,13 +73,12 @@ from jaxspec import inference, machine
 from jaxspec.config import (CPU_MATMULS, CPU_MATMUL_XLA, DECODE_ATTENTION_EINSUM,
                             DECODE_ATTENTION_JAX, get_config)
 from jaxspec.decoding.drafters import Int8Drafter, SharedEncoderDrafterWithTarget, T5Drafter
-from jaxspec.decoding.drafters.feature import FeatureDrafter, FeatureDrafterWithTarget
-from jaxspec.model import feature_draft
-from jaxspec.measure import accelerator, step_costs
-from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.decoding.drafters import loops as draft_loops
+from jaxspec.decoding.drafters.feature import FeatureDrafter, FeatureDrafterWithTarget
 from jaxspec.measure import accelerator, step_costs
 from jaxspec.measure import profile as profile_lib
+from jaxspec.model import feature_draft
+from jaxspec.model.cpu import layout as kernel_layout
 from jaxspec.model.cpu import matmul as cpu_matmul_lib
 from jaxspec.launch import command
 

@@ -76,6 +76,24 @@ def _latest_step(checkpoint_dir: str) -> int | None:
   return int(os.path.basename(location.directory).split('_')[-1])
 
 
+def resume(checkpoint_dir: str, params, opt_state, load_params):
+  """(params, opt_state, start step) of a run: as given when checkpoint_dir holds no
+  checkpoint yet, else load_params() (the latest checkpoint's tree) with the optimizer
+  state saved beside it (a fresh one, said so, where none was)."""
+  start = _latest_step(checkpoint_dir) or 0
+  if not start:
+    return params, opt_state, 0
+  params = jax.device_put(load_params())
+  optimizer_file = os.path.join(checkpoint_dir, f'optimizer_{start}.msgpack')
+  if os.path.exists(optimizer_file):
+    with open(optimizer_file, 'rb') as f:
+      opt_state = flax.serialization.from_bytes(opt_state, f.read())
+  else:
+    print(f'no optimizer state for step {start}: it restarts from scratch', flush=True)
+  print(f'resuming from step {start}', flush=True)
+  return params, opt_state, start
+
+
 def _save(checkpoint_dir: str, params, opt_state, step: int, keep: int):
   # The optimizer state goes first: a checkpoint_<step> with no optimizer file
   # beside it can only mean a crash between the two writes, and resumes fresh.
@@ -234,19 +252,11 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
   tx = training.make_optimizer(optimizer, num_steps)
 
   params = init_params(model, jax.random.PRNGKey(seed))['params']
-  opt_state = tx.init(params)
-  start = _latest_step(checkpoint_dir) or 0
-  if start:
-    params = jax.device_put(t5x_checkpoints.load_t5x_checkpoint(
-        checkpoint_dir, model, dtype=model.param_dtype))
-    optimizer_file = os.path.join(checkpoint_dir, f'optimizer_{start}.msgpack')
-    if os.path.exists(optimizer_file):
-      with open(optimizer_file, 'rb') as f:
-        opt_state = flax.serialization.from_bytes(opt_state, f.read())
-    else:
-      print(f'no optimizer state for step {start}: it restarts from scratch', flush=True)
-    print(f'resuming from step {start}', flush=True)
-  elif init_checkpoint:
+  params, opt_state, start = resume(
+      checkpoint_dir, params, tx.init(params),
+      lambda: t5x_checkpoints.load_t5x_checkpoint(checkpoint_dir, model,
+                                                  dtype=model.param_dtype))
+  if not start and init_checkpoint:
     params = jax.device_put(t5x_checkpoints.load_t5x_checkpoint(
         init_checkpoint, model, dtype=model.param_dtype))
     print(f'initialized from {init_checkpoint}', flush=True)

@@ -20,7 +20,6 @@ import os
 import sys
 import time
 
-import flax.serialization
 import gin
 import jax
 import numpy as np
@@ -92,17 +91,9 @@ def train_feature_draft(
     params = feature_draft.init_params(config, jax.random.PRNGKey(seed))
   params = jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True), params['params'])
   head_checkpoints.check_params(params, config)
-  opt_state = tx.init(params)
-  start = train_script._latest_step(checkpoint_dir) or 0
-  if start:
-    params = jax.device_put(head_checkpoints.load(checkpoint_dir, config))
-    optimizer_file = os.path.join(checkpoint_dir, f'optimizer_{start}.msgpack')
-    if os.path.exists(optimizer_file):
-      with open(optimizer_file, 'rb') as f:
-        opt_state = flax.serialization.from_bytes(opt_state, f.read())
-    else:
-      print(f'no optimizer state for step {start}: it restarts from scratch', flush=True)
-    print(f'resuming from step {start}', flush=True)
+  params, opt_state, start = train_script.resume(
+      checkpoint_dir, params, tx.init(params),
+      lambda: head_checkpoints.load(checkpoint_dir, config))
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
   print(f'{n_params / 1e6:.2f}M head parameters ({num_layers} layer(s) of width '
         f'{config.emb_dim}) over the frozen target, {len(train_pairs)} training examples, '

@@ -18,7 +18,6 @@ import sys
 import time
 
 
-import flax.serialization
 import gin
 import jax
 
@@ -126,17 +125,10 @@ def train_shared_encoder_draft(
     params = shared_encoder_draft.init_params(model, encoder_dim,
                                               jax.random.PRNGKey(seed))['params']
   opt_state = tx.init(params)
-  start = train_script._latest_step(checkpoint_dir) or 0
-  if start:
-    params = jax.device_put(draft_checkpoints.load(checkpoint_dir, model, encoder_dim,
-                                                   dtype=model.param_dtype))
-    optimizer_file = os.path.join(checkpoint_dir, f'optimizer_{start}.msgpack')
-    if os.path.exists(optimizer_file):
-      with open(optimizer_file, 'rb') as f:
-        opt_state = flax.serialization.from_bytes(opt_state, f.read())
-    else:
-      print(f'no optimizer state for step {start}: it restarts from scratch', flush=True)
-    print(f'resuming from step {start}', flush=True)
+  params, opt_state, start = train_script.resume(
+      checkpoint_dir, params, opt_state,
+      lambda: draft_checkpoints.load(checkpoint_dir, model, encoder_dim,
+                                     dtype=model.param_dtype))
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
   print(f'{n_params / 1e6:.2f}M draft decoder parameters over the target encoder '
         f'(width {encoder_dim}), {len(train_pairs)} training examples, '

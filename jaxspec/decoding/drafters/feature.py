@@ -31,14 +31,12 @@ verifies every draft.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Mapping
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxspec import inference
 from jaxspec.checkpoints import feature_draft as head_checkpoints
 from jaxspec.config import T5Config
 from jaxspec.errors import InvalidSetting
