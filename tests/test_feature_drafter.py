@@ -387,23 +387,38 @@ def feature_draft_layout(tree):
 # The launchers: jaxspec-train-feature-draft, then jaxspec-infer with the head.
 
 
-def test_trained_head_decodes_through_the_launcher(tiny_checkpoints):
-  from jaxspec.launch import infer as infer_script, train_feature_draft
-  tmp_path = tiny_checkpoints
+def _train_head(tmp_path, directory, num_steps):
+  """jaxspec-train-feature-draft's run on the tiny target, into tmp_path/directory."""
+  from jaxspec.launch import train_feature_draft
   test_scripts._parse(tmp_path, test_scripts.TINY_MODEL + f"""
 train_feature_draft.target_model = @tiny_target/jaxspec.T5Config()
 train_feature_draft.target_checkpoint = '{tmp_path}/target'
-train_feature_draft.checkpoint_dir = '{tmp_path}/head'
+train_feature_draft.checkpoint_dir = '{tmp_path}/{directory}'
 train_feature_draft.input_length = 16
 train_feature_draft.target_length = 16
 train_feature_draft.batch_size = 8
-train_feature_draft.num_steps = 3
-train_feature_draft.checkpoint_every = 3
-train_feature_draft.eval_every = 3
+train_feature_draft.num_steps = {num_steps}
+train_feature_draft.checkpoint_every = 2
+train_feature_draft.eval_every = 2
 train_feature_draft.eval_examples = 8
 train_feature_draft.max_train_examples = 64
 """)
-  train_feature_draft.train_feature_draft()
+  return jax.device_get(train_feature_draft.train_feature_draft())
+
+
+def test_training_resumes_to_the_same_head(tiny_checkpoints):
+  # 4 steps at once, and 2 steps then 2 more from the checkpoint: the same head.
+  straight = _train_head(tiny_checkpoints, 'straight', 4)
+  _train_head(tiny_checkpoints, 'resumed', 2)
+  resumed = _train_head(tiny_checkpoints, 'resumed', 4)
+  for a, b in zip(jax.tree_util.tree_leaves(straight), jax.tree_util.tree_leaves(resumed)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_trained_head_decodes_through_the_launcher(tiny_checkpoints):
+  from jaxspec.launch import infer as infer_script
+  tmp_path = tiny_checkpoints
+  _train_head(tmp_path, 'head', 3)
   assert (tmp_path / 'head' / 'checkpoint_3').is_dir()
   config = test_scripts._infer_config(tmp_path).replace(
       "infer.drafter = @jaxspec.T5Drafter()\njaxspec.T5Drafter.config = @tiny_draft/jaxspec.T5Config()",
