@@ -10,7 +10,9 @@
   (tests/test_scripts.py); jaxspec-infer and jaxspec-batch-sizes apply before parsing.
 """
 
+import ast
 import inspect
+import textwrap
 import json
 import os
 import subprocess
@@ -90,8 +92,9 @@ def test_a_fresh_process_starts_jax_with_the_flags_and_records_them():
 
 @pytest.mark.parametrize('launcher', [infer, batch_sizes])
 def test_the_decoding_launchers_apply_before_anything_else(launcher):
-  body = inspect.getsource(launcher.main).split('\n', 1)[1]
-  first = next(line.strip() for line in body.splitlines() if line.strip())
+  function = ast.parse(textwrap.dedent(inspect.getsource(launcher.main))).body[0]
+  statements = function.body[1:] if ast.get_docstring(function) else function.body
+  first = ast.unparse(statements[0])
   assert first.startswith('platform_settings.apply()'), first
 
 
