@@ -105,39 +105,61 @@ def test_training_raises_agreement_with_the_target():
 # Proposals against a from-scratch reference.
 
 
-def _reference_drafts(drafter_params, encoder_row, prefix, gamma):
+REFERENCE_LENGTH = MAX_LEN + 4  # every committed prefix and a proposal after it
+
+
+@functools.cache
+def _reference_programs():
+  """(target features over fixed-length inputs, the head over every slot and its logits),
+  jitted at REFERENCE_LENGTH: causal attention makes slot j's values those of the slots up
+  to j alone, whatever the padding after them."""
+  config, target_params = _training()[0], spec_tests._target_params()
+  model, head = T5(TARGET), feature_draft.FeatureDraft(config)
+
+  @jax.jit
+  def target_features(encoder_row, inputs):  # [1, s], [1, T] -> h [1, T, e], its cache
+    encoded = model.apply(target_params, encoder_row, method=T5.encode)
+    cache = model.apply(target_params, encoded, encoder_row, REFERENCE_LENGTH,
+                        method=T5.init_cache)
+    _, features, cache = model.apply(target_params, inputs, cache,
+                                     method=T5.decode_with_features)
+    return features, cache
+
+  @jax.jit
+  def head_over_slots(head_params, slot_features, inputs, target_cache):
+    """[1, T, e] features and [1, T] inputs of slots 0..T-1 -> predicted [1, T, e],
+    logits [1, T, v], with no cache carried over: every slot computed afresh."""
+    head_cache = feature_draft.init_cache(config, target_cache, REFERENCE_LENGTH)
+    embeddings = model.apply(target_params, inputs, method=T5.embed)
+    predicted, _ = head.apply({'params': head_params}, slot_features, embeddings, head_cache)
+    return predicted, model.apply(target_params, predicted, method=T5.logits_from_features)
+
+  return target_features, head_over_slots
+
+
+def _reference_drafts(encoder_row, prefix, gamma):
   """The greedy drafts after `prefix` (committed tokens x_1..x_L), computed from scratch:
-  the target teacher forced over x_0..x_{L-1} for h_0..h_{L-1}, then for each draft the
-  head over every slot 0..L+i-1 (true features up to slot L, its own predictions after).
+  the target teacher forced over x_0..x_L for h_0..h_{L-1}, then for each draft the head
+  over every slot (the target's features up to slot L, its own predictions after it).
   -> (drafts [gamma], the margin of each draft's logit over the runner-up)."""
-  target_params = spec_tests._target_params()
-  model = T5(TARGET)
-  encoder = jnp.asarray(encoder_row)[None]
-  encoded = model.apply(target_params, encoder, method=T5.encode)
-  inputs = [0] + list(prefix)  # x_0..x_L
-  cache = model.apply(target_params, encoded, encoder, len(inputs) + gamma,
-                      method=T5.init_cache)
-  width = TARGET.emb_dim
-  features = [jnp.zeros((width,))]  # slot 0 reads h_{-1} = 0
-  if prefix:
-    _, true_features, _ = model.apply(target_params, jnp.asarray([inputs[:-1]]), cache,
-                                      method=T5.decode_with_features)
-    features += list(true_features[0])
-  config = _training()[0]
-  head = feature_draft.FeatureDraft(config)
+  target_features, head_over_slots = _reference_programs()
+  length = len(prefix)
+  inputs = np.zeros((1, REFERENCE_LENGTH), np.int32)
+  inputs[0, 1:length + 1] = prefix  # x_0 = 0
+  true_features, cache = target_features(jnp.asarray(encoder_row)[None], jnp.asarray(inputs))
+  slot_features = np.zeros((1, REFERENCE_LENGTH, TARGET.emb_dim), np.float32)
+  slot_features[0, 1:length + 1] = np.asarray(true_features)[0, :length]  # slot j: h_{j-1}
   drafts, margins = [], []
-  for _ in range(gamma):
-    head_cache = feature_draft.init_cache(config, cache, len(inputs))
-    embeddings = model.apply(target_params, jnp.asarray([inputs]), method=T5.embed)
-    predicted, _ = head.apply({'params': _training()[2]}, jnp.stack(features)[None],
-                              embeddings, head_cache)
-    logits = np.asarray(model.apply(target_params, predicted[:, -1:],
-                                    method=T5.logits_from_features))[0, 0]
-    top = np.sort(logits)[-2:]
-    drafts.append(int(np.argmax(logits)))
+  for i in range(gamma):
+    predicted, logits = head_over_slots(_training()[2], jnp.asarray(slot_features),
+                                        jnp.asarray(inputs), cache)
+    slot = length + i  # the slot whose prediction is draft i + 1
+    row = np.asarray(logits)[0, slot]
+    top = np.sort(row)[-2:]
+    drafts.append(int(np.argmax(row)))
     margins.append(float(top[1] - top[0]))
-    features.append(predicted[0, -1])
-    inputs.append(drafts[-1])
+    inputs[0, slot + 1] = drafts[-1]
+    slot_features[0, slot + 1] = np.asarray(predicted)[0, slot]
   return drafts, margins
 
 
@@ -162,8 +184,7 @@ def test_every_proposal_equals_the_from_scratch_reference():
       if trace.committed[row, t] == 0:
         break
       proposed = int(trace.num_drafts[row, t])
-      reference, margins = _reference_drafts(_drafter_params(), encoder_tokens[row], prefix,
-                                             gamma)
+      reference, margins = _reference_drafts(encoder_tokens[row], prefix, gamma)
       for i in range(proposed):
         if margins[i] > 1e-4:  # a near tie may round either way in another shape
           assert trace.drafts[row, t, i] == reference[i], (row, t, i, prefix)

@@ -116,7 +116,7 @@ DTYPES = ('bfloat16', 'float32')  # part d; the accelerators' own first
 TEMPERATURES = (0.0, 1.0)
 # The shipped feature head's alpha at T = 0 on the EnDe test split (jaxspec-infer with
 # configs/infer/ende54m_feature.gin), part c's stand-in for a head over T5-XXL.
-FEATURE_ALPHA = 0.5
+FEATURE_ALPHA = 0.43
 DEFAULT_POSITIONS = '2,4,6,8,9,16,32,64'
 # gamma='auto' must decode at least this fraction of the baseline's speed (part d).
 AUTO_FLOOR = 0.97
