@@ -135,9 +135,10 @@ def from_target(target_params: Mapping[str, Any], config: T5Config, rng) -> dict
   params = jax.device_get(target_params)
   params = params.get('params', params)
   target_decoder = params['decoder']
-  last = target_decoder[f'layers_{len([k for k in target_decoder if k.startswith("layers_")]) - 1}']
+  num_layers = sum(name.startswith('layers_') for name in target_decoder)
+  last = target_decoder[f'layers_{num_layers - 1}']
   head = jax.device_get(init_params(config, rng)['params'])
-  layer = {name: value for name, value in last.items()}
+  layer = dict(last)
   layer['encoder_decoder_attention'] = {
       name: value for name, value in last['encoder_decoder_attention'].items()
       if name in ('query', 'out')}

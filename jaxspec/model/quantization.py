@@ -117,8 +117,5 @@ def int8_decoder(target_params: Mapping[str, Any], tiled: bool | None = None) ->
   """
   if not isinstance(target_params, Mapping) or 'params' not in target_params:
     raise ValueError("int8_decoder takes the target's variables {'params': ...}")
-  if tiled is None:
-    tiled = cpu_matmul.int8_tiles_apply()
-  params = transposed_kernels(target_params['params'])
-  decoder = {name: tree for name, tree in params.items() if name != 'encoder'}
-  return {'params': _quantize_tree(decoder, (), tiled)}
+  decoder = {name: tree for name, tree in target_params['params'].items() if name != 'encoder'}
+  return {'params': int8_tree(decoder, tiled)}

@@ -80,6 +80,13 @@ def head_passes(head_params, target_params, features, target_cache, decoder_inpu
   return jnp.stack(passes)
 
 
+def _draft_logits(target_params, predicted, target_config: T5Config):
+  """predicted features [n, b, t, e] -> logits [n, b, t, v] through the target's LM head."""
+  logits = T5(target_config).apply(target_params, predicted.reshape((-1,) + predicted.shape[2:]),
+                                   method=T5.logits_from_features)
+  return logits.reshape(predicted.shape[:3] + logits.shape[-1:])
+
+
 def head_losses(predicted, features, target_logits, draft_logits, mask, loss: FeatureLossConfig):
   """predicted [n, b, t, e], features [b, t, e], target_logits [b, t, v], draft_logits
   [n, b, t, v], mask [b, t] -> (loss, regression, cross-entropy, agreement of argmaxes per
@@ -105,9 +112,7 @@ def _forward(head_params, target_params, batch, rng, *, config, target_config, l
   predicted = head_passes(head_params, target_params, features, target_cache,
                           batch['decoder_inputs'], config=config, target_config=target_config,
                           unroll=loss.unroll, noise=noise)
-  draft_logits = T5(target_config).apply(target_params, predicted.reshape(
-      (-1,) + predicted.shape[2:]), method=T5.logits_from_features)
-  draft_logits = draft_logits.reshape(predicted.shape[:3] + draft_logits.shape[-1:])
+  draft_logits = _draft_logits(target_params, predicted, target_config)
   mask = (batch['targets'] > 0).astype(jnp.float32)
   return head_losses(predicted, features, target_logits, draft_logits, mask, loss)
 
@@ -144,9 +149,7 @@ def eval_step(head_params, batch, target_params, *, config: T5Config, target_con
   predicted = head_passes(head_params, target_params, features, target_cache,
                           batch['decoder_inputs'], config=config, target_config=target_config,
                           unroll=unroll)
-  draft_logits = T5(target_config).apply(target_params, predicted.reshape(
-      (-1,) + predicted.shape[2:]), method=T5.logits_from_features)
-  draft_logits = draft_logits.reshape(predicted.shape[:3] + draft_logits.shape[-1:])
+  draft_logits = _draft_logits(target_params, predicted, target_config)
   mask = batch['targets'] > 0
   agree = (jnp.argmax(draft_logits, axis=-1) == jnp.argmax(target_logits, axis=-1)[None]) & mask
   return jnp.sum(agree, axis=(1, 2)), jnp.sum(mask)
