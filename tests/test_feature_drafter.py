@@ -408,8 +408,9 @@ def feature_draft_layout(tree):
 # The launchers: jaxspec-train-feature-draft, then jaxspec-infer with the head.
 
 
-def _train_head(tmp_path, directory, num_steps):
-  """jaxspec-train-feature-draft's run on the tiny target, into tmp_path/directory."""
+def _train_head(tmp_path, directory, num_steps, extra=''):
+  """jaxspec-train-feature-draft's run on the tiny target, into tmp_path/directory;
+  `extra`: more gin bindings."""
   from jaxspec.launch import train_feature_draft
   test_scripts._parse(tmp_path, test_scripts.TINY_MODEL + f"""
 train_feature_draft.target_model = @tiny_target/jaxspec.T5Config()
@@ -423,7 +424,7 @@ train_feature_draft.checkpoint_every = 2
 train_feature_draft.eval_every = 2
 train_feature_draft.eval_examples = 8
 train_feature_draft.max_train_examples = 64
-""")
+""" + extra)
   return jax.device_get(train_feature_draft.train_feature_draft())
 
 
@@ -433,6 +434,30 @@ def test_training_resumes_to_the_same_head(tiny_checkpoints):
   _train_head(tiny_checkpoints, 'resumed', 2)
   resumed = _train_head(tiny_checkpoints, 'resumed', 4)
   for a, b in zip(jax.tree_util.tree_leaves(straight), jax.tree_util.tree_leaves(resumed)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_training_on_stored_features_trains_the_same_head(tiny_checkpoints, monkeypatch):
+  # The target's features stored once (feature_store_dir) against the target run in every
+  # step: the same head; on the target's greedy outputs (sequence_kd) a different one, and
+  # a second run reads both stores back instead of computing them.
+  tmp_path = tiny_checkpoints
+  store = f"train_feature_draft.feature_store_dir = '{tmp_path}/store'\n"
+  computed = _train_head(tmp_path, 'computed', 3)
+  stored = _train_head(tmp_path, 'stored', 3, store)
+  for a, b in zip(jax.tree_util.tree_leaves(computed), jax.tree_util.tree_leaves(stored)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5)
+  kd = store + ("train_feature_draft.sequence_kd = True\n"
+                f"train_feature_draft.sequence_kd_cache_dir = '{tmp_path}/kd'\n")
+  on_greedy = _train_head(tmp_path, 'greedy', 3, kd)
+  assert len(os.listdir(tmp_path / 'store')) == 2 and len(os.listdir(tmp_path / 'kd')) == 1
+  assert any(not np.allclose(np.asarray(a), np.asarray(b)) for a, b in zip(
+      jax.tree_util.tree_leaves(computed), jax.tree_util.tree_leaves(on_greedy)))
+  from jaxspec.training import target_features
+  monkeypatch.setattr(target_features, 'compute',
+                      lambda *a, **k: pytest.fail('the store was computed again'))
+  again = _train_head(tmp_path, 'greedy_again', 3, kd)
+  for a, b in zip(jax.tree_util.tree_leaves(on_greedy), jax.tree_util.tree_leaves(again)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 

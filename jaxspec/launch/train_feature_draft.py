@@ -9,6 +9,12 @@ Checkpoints are T5X legacy ones of the head's tree, with the optimizer state bes
 as scripts/train.py writes them; started again with the same config the run resumes from
 the latest checkpoint, feeding the batches an uninterrupted run would.
 
+`train_feature_draft.sequence_kd` trains on the target's own greedy outputs for the training
+inputs instead of the references (what the head drafts at temperature 0), decoded once and
+kept in `sequence_kd_cache_dir`; `feature_store_dir` keeps the target's features for every
+training example there (jaxspec.training.target_features), computed once, so a step runs
+only the head and the LM head instead of the whole target.
+
 Validation reports the head's argmax agreement with the target on the target's own greedy
 outputs for the validation inputs: pass 0 is alpha at temperature 0 of a proposal's
 first draft, pass k that of a draft reading k of the head's own predicted features.
@@ -28,6 +34,7 @@ from jaxspec.launch import command, gin_flags
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
 from jaxspec.launch import train as train_script
 from jaxspec.training import core as training, distillation, feature_draft as feature_training
+from jaxspec.training import target_features
 from jaxspec import inference
 from jaxspec.checkpoints import feature_draft as head_checkpoints
 from jaxspec.config import T5Config
@@ -63,12 +70,16 @@ def train_feature_draft(
     loss: feature_training.FeatureLossConfig = feature_training.FeatureLossConfig(),
     init_from_target: bool = True, checkpoint_every: int = 250, keep_checkpoints: int = 2,
     eval_every: int = 250, eval_examples: int = 512, log_every: int = 25, seed: int = 0,
-    max_train_examples: int | None = None,
+    max_train_examples: int | None = None, sequence_kd: bool = False,
+    sequence_kd_cache_dir: str | None = None, feature_store_dir: str | None = None,
     length_quantum: int = training.LENGTH_QUANTUM):
   """Trains a head of `num_layers` decoder layers over the frozen target.
 
   init_from_target: start from the target's last decoder layer, relative position bias
   and final norm (feature_draft.from_target) instead of a random initialization.
+  sequence_kd: train on the target's greedy outputs (cached in sequence_kd_cache_dir).
+  feature_store_dir: compute the target's features once and keep them there (module
+  docstring); None runs the target in every step.
   """
   config = feature_draft.head_config(target_model, num_layers)
   os.makedirs(checkpoint_dir, exist_ok=True)
@@ -81,6 +92,14 @@ def train_feature_draft(
                                            target_length, eval_examples)
   tx = training.make_optimizer(optimizer, num_steps)
   target_params = inference.load_model_params(target_checkpoint, target_model)
+  if sequence_kd:
+    train_pairs = train_script._sequence_kd_pairs(
+        train_pairs, target_params['params'], target_model, target_length,
+        sequence_kd_cache_dir, batch_size, length_quantum)
+  store = None
+  if feature_store_dir:
+    store = target_features.cached(feature_store_dir, target_params, target_model,
+                                   train_pairs, batch_size, length_quantum)
   eval_batches = training.epoch_batches(
       _greedy_pairs(eval_pairs, target_params, target_model, target_length, length_quantum),
       batch_size, seed, 0, length_quantum)
@@ -104,6 +123,10 @@ def train_feature_draft(
   started, window_tokens = time.time(), 0.0
   for step in range(start, num_steps):
     batch = next(stream)
+    if store is not None:
+      batch = {**batch, **target_features.batch(store, batch['example_ids'],
+                                                batch['targets'].shape[1],
+                                                batch['inputs'].shape[1])}
     rng = training.dropout_key(seed, step)
     params, opt_state, metrics = feature_training.train_step(
         params, opt_state, batch, target_params, rng, config=config,

@@ -117,7 +117,8 @@ def epoch_batches(pairs: Sequence[tuple[list[int], list[int]]], batch_size: int,
   """One epoch of batches in a deterministic order fixed by (seed, epoch).
 
   Examples of similar length share a batch (sorted within shuffled chunks), which
-  keeps padding and the number of shapes small.
+  keeps padding and the number of shapes small. Each batch also names its rows' indices
+  in `pairs` ('example_ids' [b]), for data stored per example.
   """
   order = np.random.RandomState([seed, epoch]).permutation(len(pairs))
   chunk = batch_size * 50
@@ -125,8 +126,9 @@ def epoch_batches(pairs: Sequence[tuple[list[int], list[int]]], batch_size: int,
   for start in range(0, len(order), chunk):
     block = sorted(order[start:start + chunk], key=lambda i: (len(pairs[i][1]), len(pairs[i][0])))
     for offset in range(0, len(block) - batch_size + 1, batch_size):
-      batches.append(pad_batch([pairs[i] for i in block[offset:offset + batch_size]],
-                               quantum))
+      rows = block[offset:offset + batch_size]
+      batches.append({**pad_batch([pairs[i] for i in rows], quantum),
+                      'example_ids': np.asarray(rows, np.int32)})
   np.random.RandomState([seed, epoch, 1]).shuffle(batches)
   return batches
 

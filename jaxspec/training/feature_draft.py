@@ -9,7 +9,8 @@ predicts h_j; the loss, as EAGLE's, is
       + cross-entropy of the target's distribution under the head's (the head's predicted
         h_j through the target's LM head; KL up to the target's entropy)
 
-averaged over non-padding positions. With `unroll` > 1 the head also runs again on its
+averaged over non-padding positions. The target's products come from the target run in
+the step, or from a batch that carries them (jaxspec.training.target_features). With `unroll` > 1 the head also runs again on its
 own predictions (slot j then reads its predicted h_{j-1} instead of the target's), as
 later draft steps of a proposal do, and every pass's loss counts; `feature_noise` adds
 uniform noise of that half-width to the target features the first pass reads. Only the
@@ -28,6 +29,7 @@ import optax
 from jaxspec.config import T5Config
 from jaxspec.errors import InvalidSetting
 from jaxspec.model import T5
+from jaxspec.model.cache import DecoderCache, LayerCache
 from jaxspec.model import feature_draft
 
 
@@ -56,6 +58,22 @@ def target_features(target_params, batch, *, target_config: T5Config):
                       batch['decoder_inputs'].shape[1], method=T5.init_cache)
   logits, features, cache = model.apply(target_params, batch['decoder_inputs'], cache,
                                         method=T5.decode_with_features)
+  return jax.lax.stop_gradient((features, logits, cache))
+
+
+def stored_target_features(target_params, batch, *, target_config: T5Config):
+  """As target_features, from what jaxspec.training.target_features stored for the batch
+  ('target_features' [b, t, e], the last layer's 'cross_keys'/'cross_values' [b, h, d, s]):
+  only the LM head runs (the logits), and the cache holds just that last layer, all the
+  head reads of it."""
+  features = batch['target_features']
+  logits = T5(target_config).apply(target_params, features, method=T5.logits_from_features)
+  keys = batch['cross_keys']
+  empty = jnp.zeros(keys.shape[:3] + (0,), keys.dtype)  # [b, h, d, 0]: no decoder slots
+  cache = DecoderCache(
+      layers=(LayerCache(self_keys=empty, self_values=empty, cross_keys=keys,
+                         cross_values=batch['cross_values']),),
+      encoder_mask=batch['inputs'] > 0, end_index=jnp.zeros((keys.shape[0],), jnp.int32))
   return jax.lax.stop_gradient((features, logits, cache))
 
 
@@ -103,8 +121,9 @@ def head_losses(predicted, features, target_logits, draft_logits, mask, loss: Fe
 
 
 def _forward(head_params, target_params, batch, rng, *, config, target_config, loss):
-  features, target_logits, target_cache = target_features(target_params, batch,
-                                                          target_config=target_config)
+  of_target = stored_target_features if 'target_features' in batch else target_features
+  features, target_logits, target_cache = of_target(target_params, batch,
+                                                    target_config=target_config)
   noise = None
   if loss.feature_noise > 0 and rng is not None:
     noise = jax.random.uniform(rng, features.shape, features.dtype, -loss.feature_noise,
