@@ -242,7 +242,7 @@ class _SlowDrafter(WrappedDrafter):
   """A T5 drafter made artificially slow: each proposal also runs `work` dependent
   matrix products, whose result is added to q times 0 (so they cannot be skipped)."""
   inner: T5Drafter
-  work: int = 200
+  work: int = 40
 
   def propose(self, params, state, context, gamma, sampling, keys):
     x = jnp.full((256, 256), 1e-3, jnp.float32) + context.length[0].astype(jnp.float32)
@@ -329,7 +329,20 @@ def test_launcher_with_auto_gamma_records_its_choices(tmp_path, tiny_pair_checkp
   assert chosen <= {0, 1, 2}
   assert summary['gamma_choices'] == ' '.join(
       f'{g}:{sum(1 for r in records[::2] if r["gamma"] == g)}' for g in sorted(chosen))
-  assert list((tmp_path / 'calibration').glob('*.json'))
+  assert len(list((tmp_path / 'calibration').glob('*.json'))) == 1
+  # A retrained draft (other weights, same config) agrees otherwise: its own calibration.
+  from jaxspec.checkpoints import t5x as t5x_checkpoints  # pylint: disable=g-import-not-at-top
+  retrained = jax.tree_util.tree_map(lambda x: np.asarray(x) * 0.5,
+                                     t5x_checkpoints.load_t5x_checkpoint(tmp_path / 'draft'))
+  t5x_checkpoints.save_t5x_checkpoint(tmp_path / 'retrained', retrained, 7)
+  gin.clear_config()
+  gin_flags.parse([f'--gin_file={path}', "--gin.GAMMA='auto'", '--gin.infer.auto_gammas=(1, 2)',
+                   f"--gin.infer.calibration_dir='{tmp_path / 'calibration'}'",
+                   f"--gin.infer.draft_checkpoint='{tmp_path / 'retrained'}'",
+                   f"--gin.infer.output_dir='{tmp_path / 'retrained_out'}'",
+                   '--gin.infer.num_examples=2'])
+  assert infer_script.infer()['identical_outputs'] == 2
+  assert len(list((tmp_path / 'calibration').glob('*.json'))) == 2
   gin.clear_config()
   gin_flags.parse([f'--gin_file={path}', "--gin.GAMMA='auto'", '--gin.infer.auto_gammas=(0,)'])
   with pytest.raises(ValueError, match='infer.auto_gammas'):

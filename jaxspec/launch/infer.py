@@ -237,7 +237,8 @@ def calibration_sample(pending: Sequence, count: int) -> list:
 
 def calibration_key(target_model, drafter, sampling, speculative, **more) -> dict:
   """What a calibration's costs depend on: the machine, the models, the decoding
-  settings besides gamma, the lengths (and mesh)."""
+  settings besides gamma, the lengths (and mesh) and, in `more`, the checkpoints (a
+  retrained draft agrees otherwise, so the speedups measured for the old one are stale)."""
   return auto_gamma.calibration_key(
       target_model=inference.describe(target_model), drafter=inference.describe(drafter),
       sampling=inference.describe(sampling), speculative=inference.describe(speculative),
@@ -637,6 +638,14 @@ def check_memory(target_model, drafter, decoders, batch_size, input_length,
   validation.check_decode_memory(needed, validation.available_memory_bytes(devices), described)
 
 
+def draft_checkpoint_identity(drafter, draft_checkpoint) -> dict | None:
+  """inference.checkpoint_identity of the draft checkpoint where the drafter reads one."""
+  reads_checkpoint = isinstance(drafter, (T5Drafter, SharedEncoderDrafter, FeatureDrafter))
+  if not (reads_checkpoint and draft_checkpoint):
+    return None
+  return inference.checkpoint_identity(draft_checkpoint)
+
+
 def run_settings(*, target_model, target_checkpoint, drafter, draft_checkpoint, task,
                  input_length, max_decode_length, batch_size, sampling, speculative, seed,
                  overlong_inputs, decoders=SAMPLING_DECODERS, beam=BeamConfig(),
@@ -648,14 +657,11 @@ def run_settings(*, target_model, target_checkpoint, drafter, draft_checkpoint, 
   decoders run (beyond whether a beam decoder is among them, so the sampling runs'
   fingerprints stay as they were), num_examples (a prefix of the same examples;
   records are checked against them) or the mesh."""
-  uses_draft_checkpoint = (isinstance(drafter, (T5Drafter, SharedEncoderDrafter,
-                                                FeatureDrafter)) and draft_checkpoint)
   return inference.describe({
       'target_model': target_model,
       'target_checkpoint': inference.checkpoint_identity(target_checkpoint),
       'drafter': drafter,
-      'draft_checkpoint': (inference.checkpoint_identity(draft_checkpoint)
-                           if uses_draft_checkpoint else None),
+      'draft_checkpoint': draft_checkpoint_identity(drafter, draft_checkpoint),
       'examples': task.identity, 'input_length': input_length,
       'max_decode_length': max_decode_length, 'overlong_inputs': overlong_inputs,
       'batch_size': batch_size, 'sampling': sampling, 'speculative': speculative,
@@ -914,6 +920,9 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
         speculative, batch_size=batch_size, gammas=auto_gammas,
         key=calibration_key(target_model, drafter, sampling, speculative,
                             input_length=inputs.shape[1], max_decode_length=max_decode_length,
+                            checkpoints=(
+                                inference.checkpoint_identity(target_checkpoint),
+                                draft_checkpoint_identity(drafter, draft_checkpoint)),
                             mesh=dict(partitioner.mesh.shape) if partitioner else None),
         calibration_dir=calibration_dir,
         calibration_batches=[pad_batch(indices) for indices in calibration_sample(
