@@ -10,11 +10,12 @@ predicts h_j; the loss, as EAGLE's, is
         h_j through the target's LM head; KL up to the target's entropy)
 
 averaged over non-padding positions. The target's products come from the target run in
-the step, or from a batch that carries them (jaxspec.training.target_features). With `unroll` > 1 the head also runs again on its
-own predictions (slot j then reads its predicted h_{j-1} instead of the target's), as
-later draft steps of a proposal do, and every pass's loss counts; `feature_noise` adds
-uniform noise of that half-width to the target features the first pass reads. Only the
-head's parameters are updated; the target's embedding and LM head are frozen.
+the step, or from a batch that carries them (jaxspec.training.target_features). With
+`unroll` > 1 the head also runs again on its own predictions (slot j then reads its
+predicted h_{j-1} instead of the target's), as later draft steps of a proposal do, and
+every pass's loss counts; `feature_noise` adds uniform noise of that half-width to the
+target features the first pass reads. Only the head's parameters are updated; the
+target's embedding and LM head are frozen.
 """
 
 from __future__ import annotations

@@ -96,9 +96,8 @@ def batch(store: TargetFeatures, example_ids: np.ndarray, target_width: int,
           input_width: int) -> dict[str, np.ndarray]:
   """The stored rows of example_ids [b], zero-padded: {'target_features' [b, t, e],
   'cross_keys', 'cross_values' [b, h, d, s]} (the cache's layout)."""
-  first_key = store.cross_keys[:1]
   features = np.zeros((len(example_ids), target_width, store.features.shape[1]), np.float32)
-  keys = np.zeros((len(example_ids), input_width) + first_key.shape[1:], np.float32)
+  keys = np.zeros((len(example_ids), input_width) + store.cross_keys.shape[1:], np.float32)
   values = np.zeros_like(keys)
   for slot, index in enumerate(example_ids):
     rows = store.target_rows(index)
