@@ -128,3 +128,14 @@ def resolve_checkpoint(path: str | None) -> str | None:
   raise errors.MissingFile(f'no checkpoint at {path}'
                            + (f' nor at {"; ".join(elsewhere)}' if elsewhere else '') + '.'
                            + hint)
+
+
+def atomic_write(path: str | os.PathLike, contents: bytes):
+  """Writes contents to path through a temporary file beside it, flushed to disk first:
+  a reader sees the old file or the whole new one, never a part."""
+  tmp = f'{path}.tmp-{os.getpid()}'
+  with open(tmp, 'wb') as f:
+    f.write(contents)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)

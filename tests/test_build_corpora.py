@@ -124,3 +124,25 @@ def test_write_jsonl_gz_is_byte_stable(tmp_path):
   assert (tmp_path / 'a.jsonl.gz').read_bytes() == (tmp_path / 'b.jsonl.gz').read_bytes()
   with gzip.open(tmp_path / 'a.jsonl.gz', 'rt', encoding='utf-8') as f:
     assert [json.loads(line) for line in f] == rows
+
+
+def test_ende_inputs_are_untranslated_train_strings(tmp_path):
+  # English strings of any language's catalogs: those ende already has as an input (in any
+  # split) are left out, duplicates kept once, and only strings whose hash bucket is 'train'.
+  held_out = next(f'Held out {i}' for i in range(1000) if build.split_of(f'Held out {i}') != 'train')
+  train = [f'Kept {i}' for i in range(1000) if build.split_of(f'Kept {i}') == 'train'][:2]
+  for language, entries in (('fr', {train[0]: 'x', 'Known': 'y', held_out: 'z'}),
+                            ('ja', {train[0]: 'x', train[1]: '', 'menu\x04_Quit': 'q',
+                                    '%d': 'n'})):
+    path = tmp_path / language / 'LC_MESSAGES' / 'gtk20.mo'
+    path.parent.mkdir(parents=True)
+    write_mo(path, entries)
+  examples = build.build_ende_inputs(str(tmp_path / '*' / 'LC_MESSAGES' / '*.mo'),
+                                     [{'inputs': 'Known', 'targets': 'Bekannt'}])
+  expected = [train[0], train[1], 'Quit'] if build.split_of('Quit') == 'train' else train
+  assert [e['inputs'] for e in examples] == expected
+  assert examples[0] == {'inputs': train[0], 'source': 'fr/LC_MESSAGES/gtk20.mo'}
+  assert build.write_inputs_only(str(tmp_path / 'out'), 'ende_inputs', examples)['train'][
+      'examples'] == len(expected)
+  with gzip.open(tmp_path / 'out' / 'ende_inputs' / 'train.jsonl.gz', 'rt') as f:
+    assert [json.loads(line) for line in f] == examples

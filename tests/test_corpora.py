@@ -124,3 +124,22 @@ def test_load_split_honours_data_dir_env(tmp_path, monkeypatch):
   assert corpora.load_split('ende', 'test') == rows
   with pytest.raises(ValueError):
     corpora.load_split('ende', 'dev')
+
+
+def test_ende_inputs_are_new_train_inputs_of_ende(splits, vocab):
+  # The inputs-only corpus: English strings ende has no example of, all in the train
+  # bucket, each once, encoded as ende's inputs with an empty target.
+  extra = corpora.load_split('ende_inputs', 'train')
+  texts = [e['inputs'] for e in extra]
+  assert len(texts) > 20000 and len(set(texts)) == len(texts)
+  assert set(extra[0]) == {'inputs', 'source'}
+  known = {e['inputs'] for s in corpora.SPLITS for e in splits['ende', s]}
+  assert not known & set(texts)
+  assert {min(int(hashlib.sha256(t.encode('utf-8')).hexdigest(), 16) % 100 // 5, 2)
+          for t in texts} == {2}
+  encoded = corpora.encoded_split('ende_inputs', 'train', vocab, 64, 64, limit=3)
+  for (inputs, targets), example in zip(encoded, extra):
+    assert inputs == corpora.encode_example({**example, 'targets': ''}, 'ende', vocab, 64, 64)[0]
+    assert targets == [corpora.EOS_ID]
+  with pytest.raises(corpora.InvalidSetting, match="'ende_inputs'/'test'"):
+    corpora.load_split('ende_inputs', 'test')

@@ -461,6 +461,41 @@ def test_training_on_stored_features_trains_the_same_head(tiny_checkpoints, monk
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+def test_extra_inputs_and_init_checkpoint(tiny_checkpoints, monkeypatch, capsys):
+  # extra_inputs adds an inputs-only corpus's inputs with the target's greedy outputs
+  # (decoded and stored apart from the corpus's own); init_checkpoint starts the head from
+  # a trained one. The step is replaced by one that keeps the head, so the run returns
+  # exactly what it started from.
+  from jaxspec.errors import InvalidSetting
+  from jaxspec.launch import train_feature_draft
+  tmp_path = tiny_checkpoints
+  with pytest.raises(InvalidSetting, match='sequence_kd = True'):
+    _train_head(tmp_path, 'no_kd', 2, "train_feature_draft.extra_inputs = 'ende_inputs'\n")
+  with pytest.raises(InvalidSetting, match="inputs-only corpus of 'ende' .ende_inputs., got 'ende'"):
+    _train_head(tmp_path, 'not_extra', 2, "train_feature_draft.extra_inputs = 'ende'\n"
+                "train_feature_draft.sequence_kd = True\n")
+  trained = _train_head(tmp_path, 'first', 2)
+  monkeypatch.setattr(train_feature_draft.feature_training, 'train_step',
+                      lambda params, opt_state, batch, *a, **k: (params, opt_state, {
+                          'loss': 0.0, 'regression': [0.0], 'cross_entropy': [0.0],
+                          'agreement': [0.0], 'grad_norm': 0.0}))
+  extra = ("train_feature_draft.extra_inputs = 'ende_inputs'\n"
+           "train_feature_draft.sequence_kd = True\n"
+           f"train_feature_draft.sequence_kd_cache_dir = '{tmp_path}/extra_kd'\n"
+           f"train_feature_draft.feature_store_dir = '{tmp_path}/extra_store'\n")
+  capsys.readouterr()
+  started = _train_head(tmp_path, 'second', 2,
+                        extra + f"train_feature_draft.init_checkpoint = '{tmp_path}/first'\n")
+  assert '128 training examples' in capsys.readouterr().out  # 64 of ende, 64 extra
+  assert len(os.listdir(tmp_path / 'extra_kd')) == 2
+  assert len(os.listdir(tmp_path / 'extra_store')) == 2
+  for a, b in zip(jax.tree_util.tree_leaves(trained), jax.tree_util.tree_leaves(started)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  fresh = _train_head(tmp_path, 'third', 2, extra)  # no init_checkpoint: the target's layer
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+      jax.tree_util.tree_leaves(trained), jax.tree_util.tree_leaves(fresh)))
+
+
 def test_trained_head_decodes_through_the_launcher(tiny_checkpoints):
   from jaxspec.launch import infer as infer_script
   tmp_path = tiny_checkpoints

@@ -3,7 +3,8 @@ training example and gathered per batch, against the target run in the step.
 
 - A batch's stored rows equal what the target computes on that batch (features, the last
   layer's cross keys/values, the logits the LM head makes of them), in any row order and
-  padding; the store survives its file; `cached` computes once and reads back after.
+  padding; the store survives its file; `cached` computes once and reads back after;
+  stores of a set's parts, concatenated, read as the store of the whole set.
 - A training step on a stored batch moves the head exactly as one that runs the target.
 - epoch_batches names each batch's rows ('example_ids'), which the gathering relies on.
 """
@@ -80,6 +81,23 @@ def test_store_survives_its_file_and_is_computed_once(tmp_path, monkeypatch):
     np.testing.assert_array_equal(getattr(again, name), getattr(store, name))
   # Other pairs (or another target) name another file.
   assert target_features.store_path(str(tmp_path), params, TARGET, pairs[1:]) != path
+
+
+def test_concatenated_stores_read_as_the_store_of_all_pairs():
+  # Stores of two parts of a training set, end to end: every batch gathers what the store
+  # computed over all the pairs at once gathers (example ids past the first part included).
+  pairs = _pairs(30)
+  params = spec_tests._target_params()
+  whole = target_features.compute(params, TARGET, pairs, batch_size=8)
+  joined = target_features.concatenate([
+      target_features.compute(params, TARGET, pairs[:11], batch_size=8),
+      target_features.compute(params, TARGET, pairs[11:], batch_size=8)])
+  np.testing.assert_array_equal(joined.target_ends, whole.target_ends)
+  np.testing.assert_array_equal(joined.input_ends, whole.input_ends)
+  for batch in training.epoch_batches(pairs, 8, seed=1, epoch=0, quantum=8):
+    got, want = _stored_batch(joined, batch), _stored_batch(whole, batch)
+    for name in ('target_features', 'cross_keys', 'cross_values'):
+      np.testing.assert_allclose(got[name], want[name], atol=2e-5)
 
 
 def test_a_step_on_a_stored_batch_equals_one_that_runs_the_target():

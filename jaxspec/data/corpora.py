@@ -31,6 +31,9 @@ TASK_PREFIXES = {
     'ende': 'translate English to German: ',
     'docsum': 'summarize: ',
 }
+# Inputs-only corpora (a train split of {'inputs', 'source'}, no references) -> the corpus
+# whose task their inputs belong to; drafts trained on the target's own outputs read them.
+INPUTS_ONLY = {'ende_inputs': 'ende'}
 DATA_DIR_ENV = paths.DATA_DIR_ENV
 
 
@@ -49,7 +52,8 @@ def read_jsonl_gz(path: str | os.PathLike) -> Iterator[dict]:
 
 def split_path(corpus: str, split: str, data_dir=None) -> pathlib.Path:
   """Path of `<data_dir>/<corpus>/<split>.jsonl.gz`."""
-  if corpus not in CORPORA or split not in SPLITS:
+  inputs_only = corpus in INPUTS_ONLY and split == 'train'
+  if not inputs_only and (corpus not in CORPORA or split not in SPLITS):
     raise InvalidSetting(f'unknown corpus/split {corpus!r}/{split!r}')
   return pathlib.Path(data_dir or default_data_dir()) / corpus / f'{split}.jsonl.gz'
 
@@ -121,3 +125,16 @@ def encode_example(example: dict, corpus: str, vocab: Vocabulary,
   targets = vocab.encode(example['targets'])
   return (trim_and_append_eos(inputs, input_length),
           trim_and_append_eos(targets, target_length))
+
+
+def encoded_split(corpus: str, split: str, vocab: Vocabulary, input_length: int,
+                  target_length: int, limit: int | None = None) -> list[tuple[list[int], list[int]]]:
+  """(input ids, target ids) of a split's first `limit` examples (encode_example). An
+  inputs-only corpus (INPUTS_ONLY) is encoded as its task's inputs with an empty target
+  (EOS alone), for a caller that replaces the targets (the target model's outputs)."""
+  examples = load_split(corpus, split)[:limit]
+  task = INPUTS_ONLY.get(corpus)
+  if task:
+    return [(trim_and_append_eos(input_ids(e, task, vocab), input_length),
+             trim_and_append_eos([], target_length)) for e in examples]
+  return [encode_example(e, corpus, vocab, input_length, target_length) for e in examples]

@@ -4,6 +4,10 @@
          (/usr/share/locale/de*/LC_MESSAGES/*.mo) plus the German debconf
          template translations (/var/cache/debconf/templates.dat): a stand-in
          for WMT EnDe.
+`ende_inputs`  English strings of the catalogs of every language
+         (/usr/share/locale/*/LC_MESSAGES/*.mo) that `ende` has no German
+         translation of: inputs only, train split only, for drafts trained on
+         the target's own outputs (scripts/train_feature_draft.py extra_inputs).
 `docsum` Python function source (docstrings removed) -> the function's
          docstring summary, from the installed CPython standard library: a
          stand-in for CNN/DM summarization (the target is much shorter than
@@ -34,6 +38,7 @@ import time
 from jaxspec.launch import command
 
 LOCALE_GLOB = '/usr/share/locale/de*/LC_MESSAGES/*.mo'
+ALL_LOCALES_GLOB = '/usr/share/locale/*/LC_MESSAGES/*.mo'
 DEBCONF_TEMPLATES = '/var/cache/debconf/templates.dat'
 MAX_PAIR_CHARS = 400
 # Catalogs of GUI programs, where '_' before a letter marks a keyboard mnemonic.
@@ -138,6 +143,43 @@ def catalog_pairs(path):
     if pair:
       triples.append((*pair, '/'.join(path.split(os.sep)[-3:])))  # de/LC_MESSAGES/x.mo
   return triples
+
+
+def catalog_english(path):
+  """Cleaned (english, source) pairs of one .mo catalog of any language, cleaned as
+  catalog_pairs cleans the English side (no translation is needed)."""
+  pairs = read_mo(path)
+  charset = catalog_charset(pairs)
+  name = os.path.basename(path)[:-len('.mo')]
+  found = []
+  for msgid, _ in pairs:
+    if not msgid or b'\x00' in msgid:
+      continue
+    try:
+      english = msgid.decode(charset).split('\x04')[-1]
+    except UnicodeDecodeError:
+      continue
+    if name == 'gnupg2':
+      english = re.sub(r'^\|[^|]*\|', '', english)
+    if name in MNEMONIC_CATALOGS:
+      english = mnemonic_removed(english, '')
+    english = collapse_whitespace(english)
+    if english and len(english) <= MAX_PAIR_CHARS and has_words(english):
+      found.append((english, '/'.join(path.split(os.sep)[-3:])))
+  return found
+
+
+def build_ende_inputs(locale_glob, ende_examples):
+  """Inputs-only examples {'inputs', 'source'}: the English strings of the catalogs under
+  locale_glob that are no input of ende_examples, deduplicated, those whose split_of is
+  'train' (so a string that later gains a German translation joins ende's train split,
+  never a held-out one)."""
+  known = {example['inputs'] for example in ende_examples}
+  found = []
+  for path in sorted(glob.glob(locale_glob)):
+    found += [{'inputs': english, 'source': source}
+              for english, source in catalog_english(path) if english not in known]
+  return [e for e in dedupe(found) if split_of(e['inputs']) == 'train']
 
 
 # ----------------------------------------------------------------------------
@@ -361,6 +403,16 @@ def write_jsonl_gz(path, examples):
     f.write(buffer.getvalue())
 
 
+def write_inputs_only(out_dir, name, examples):
+  """Writes an inputs-only corpus (its train split); returns its statistics."""
+  path = os.path.join(out_dir, name, 'train.jsonl.gz')
+  write_jsonl_gz(path, examples)
+  count = max(len(examples), 1)
+  return {'train': {'examples': len(examples), 'bytes': os.path.getsize(path),
+                    'inputs_words': round(sum(len(e['inputs'].split()) for e in examples) / count, 1),
+                    'inputs_chars': round(sum(len(e['inputs']) for e in examples) / count, 1)}}
+
+
 def split_stats(examples):
   """Count, mean words and mean characters of inputs and targets."""
   count = max(len(examples), 1)
@@ -389,18 +441,24 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', default='data/', help='output directory')
   parser.add_argument('--locale-glob', default=LOCALE_GLOB)
+  parser.add_argument('--all-locales-glob', default=ALL_LOCALES_GLOB,
+                      help='catalogs whose English strings make ende_inputs')
   parser.add_argument('--debconf', default=DEBCONF_TEMPLATES,
                       help="debconf templates.dat ('' to skip)")
   parser.add_argument('--stdlib', default=sysconfig.get_paths()['stdlib'])
-  parser.add_argument('--corpora', nargs='+', default=['ende', 'docsum'])
+  parser.add_argument('--corpora', nargs='+', default=['ende', 'docsum', 'ende_inputs'],
+                      choices=['ende', 'docsum', 'ende_inputs'])
   command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
-  builders = {'ende': lambda: build_ende(args.locale_glob, args.debconf),
-              'docsum': lambda: build_docsum(args.stdlib)}
+  ende = lambda: build_ende(args.locale_glob, args.debconf)  # noqa: E731
+  builders = {'ende': lambda: write_corpus(args.out, 'ende', ende()),
+              'docsum': lambda: write_corpus(args.out, 'docsum', build_docsum(args.stdlib)),
+              'ende_inputs': lambda: write_inputs_only(
+                  args.out, 'ende_inputs', build_ende_inputs(args.all_locales_glob, ende()))}
   report = {}
   for name in args.corpora:
     start = time.time()
-    report[name] = write_corpus(args.out, name, builders[name]())
+    report[name] = builders[name]()
     report[name]['seconds'] = round(time.time() - start, 1)
   json.dump(report, sys.stdout, indent=2)
   print()

@@ -24,18 +24,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-
-
-import io
 import json
 
 import flax.serialization
 import gin
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jaxspec import errors
+from jaxspec import errors, paths
 from jaxspec.launch import command, gin_flags
 import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
 from jaxspec.checkpoints import t5x as t5x_checkpoints
@@ -52,23 +47,7 @@ from jaxspec.training import core as training
 ALPHA_TEMPERATURES = (0.0, 1.0)
 
 
-def _atomic_write(path: str, contents: bytes):
-  tmp = f'{path}.tmp-{os.getpid()}'
-  with open(tmp, 'wb') as f:
-    f.write(contents)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
-def _encoded_pairs(corpus: str, split: str, vocab, input_length: int, target_length: int,
-                   limit: int | None = None):
-  examples = corpora.load_split(corpus, split)[:limit]
-  return [corpora.encode_example(e, corpus, vocab, input_length, target_length)
-          for e in examples]
-
-
-def _latest_step(checkpoint_dir: str) -> int | None:
+def latest_step(checkpoint_dir: str) -> int | None:
   try:
     location = t5x_checkpoints.find_t5x_checkpoint(checkpoint_dir)
   except FileNotFoundError:
@@ -80,7 +59,7 @@ def resume(checkpoint_dir: str, params, opt_state, load_params):
   """(params, opt_state, start step) of a run: as given when checkpoint_dir holds no
   checkpoint yet, else load_params() (the latest checkpoint's tree) with the optimizer
   state saved beside it (a fresh one, said so, where none was)."""
-  start = _latest_step(checkpoint_dir) or 0
+  start = latest_step(checkpoint_dir) or 0
   if not start:
     return params, opt_state, 0
   params = jax.device_put(load_params())
@@ -97,7 +76,7 @@ def resume(checkpoint_dir: str, params, opt_state, load_params):
 def _save(checkpoint_dir: str, params, opt_state, step: int, keep: int):
   # The optimizer state goes first: a checkpoint_<step> with no optimizer file
   # beside it can only mean a crash between the two writes, and resumes fresh.
-  _atomic_write(os.path.join(checkpoint_dir, f'optimizer_{step}.msgpack'),
+  paths.atomic_write(os.path.join(checkpoint_dir, f'optimizer_{step}.msgpack'),
                 flax.serialization.to_bytes(jax.device_get(opt_state)))
   t5x_checkpoints.save_t5x_checkpoint(checkpoint_dir, jax.device_get(params), step)
   for old in t5x_checkpoints.checkpoint_steps(checkpoint_dir)[:-keep]:
@@ -114,39 +93,6 @@ def _evaluate(params, batches, config: T5Config):
     batch_nll, batch_correct, batch_count = training.eval_step(params, batch, config=config)
     nll, correct, count = nll + batch_nll, correct + batch_correct, count + batch_count
   return float(nll / count), float(correct / count)
-
-
-def _sequence_kd_pairs(train_pairs, teacher_params, teacher_model: T5Config,
-                       target_length: int, cache_dir: str | None, batch_size: int,
-                       quantum: int):
-  """train_pairs with every target replaced by the teacher's greedy output.
-
-  Decoded once; with a cache_dir, kept there under the fingerprint of the teacher's
-  weights, its config, the inputs and the length, and read back by later runs.
-  """
-  input_ids = [pair[0] for pair in train_pairs]
-  cache_file = None
-  if cache_dir:
-    key = distillation.teacher_fingerprint(teacher_params, teacher_model, target_length,
-                                           json.dumps(input_ids))
-    cache_file = os.path.join(cache_dir, f'greedy_targets_{key[:24]}.npz')
-    if os.path.exists(cache_file):
-      with np.load(cache_file) as cached:
-        targets = np.split(cached['tokens'], cached['ends'][:-1])
-      print(f'teacher greedy targets read from {cache_file}', flush=True)
-      return [(inputs, row.tolist()) for inputs, row in zip(input_ids, targets)]
-  started = time.time()
-  targets = distillation.greedy_targets({'params': teacher_params}, teacher_model, input_ids,
-                                        target_length, batch_size, quantum)
-  print(f'teacher greedy targets for {len(targets)} inputs in {time.time() - started:.0f} s',
-        flush=True)
-  if cache_file:
-    os.makedirs(cache_dir, exist_ok=True)
-    contents = io.BytesIO()
-    np.savez(contents, tokens=np.concatenate([np.asarray(t, np.int32) for t in targets]),
-             ends=np.cumsum([len(t) for t in targets]))
-    _atomic_write(cache_file, contents.getvalue())
-  return [(inputs, row) for inputs, row in zip(input_ids, targets)]
 
 
 def _alpha_samples(teacher_params, teacher_model: T5Config, corpus: str, split: str, vocab,
@@ -236,14 +182,15 @@ def train(*, model: T5Config = gin.REQUIRED, checkpoint_dir: str = gin.REQUIRED,
   _check_distillation_setup(teacher_params, divergence, data_mix, sequence_kd,
                             model.dropout_rate)
 
-  train_pairs = _encoded_pairs(corpus, 'train', vocab, input_length, target_length,
-                               max_train_examples)
+  train_pairs = corpora.encoded_split(corpus, 'train', vocab, input_length, target_length,
+                                      max_train_examples)
   if sequence_kd:
-    train_pairs = _sequence_kd_pairs(train_pairs, teacher_params, teacher_model,
-                                     target_length, sequence_kd_cache_dir, batch_size,
-                                     length_quantum)
+    train_pairs = distillation.sequence_kd_pairs(train_pairs, teacher_params, teacher_model,
+                                                 target_length, sequence_kd_cache_dir,
+                                                 batch_size, length_quantum)
   eval_batches = training.epoch_batches(
-      _encoded_pairs(corpus, 'validation', vocab, input_length, target_length, eval_examples),
+      corpora.encoded_split(corpus, 'validation', vocab, input_length, target_length,
+                            eval_examples),
       batch_size, seed, 0, length_quantum)
   alpha_samples = None
   if teacher_params is not None and alpha_tokens > 0:

@@ -13,7 +13,11 @@ the latest checkpoint, feeding the batches an uninterrupted run would.
 inputs instead of the references (what the head drafts at temperature 0), decoded once and
 kept in `sequence_kd_cache_dir`; `feature_store_dir` keeps the target's features for every
 training example there (jaxspec.training.target_features), computed once, so a step runs
-only the head and the LM head instead of the whole target.
+only the head and the LM head instead of the whole target. `extra_inputs` names an
+inputs-only corpus (jaxspec.data.corpora.INPUTS_ONLY, such as `ende_inputs`) whose inputs
+join the training set with the target's greedy outputs as their targets (decoded, cached
+and stored apart from the corpus's own, so adding them reuses what a run already has).
+`init_checkpoint` starts a new run from a trained head instead of the target's last layer.
 
 Validation reports the head's argmax agreement with the target on the target's own greedy
 outputs for the validation inputs: pass 0 is alpha at temperature 0 of a proposal's
@@ -35,7 +39,7 @@ import jaxspec.configurables  # noqa: F401  (registers the dataclasses with gin)
 from jaxspec.launch import train as train_script
 from jaxspec.training import core as training, distillation, feature_draft as feature_training
 from jaxspec.training import target_features
-from jaxspec import inference
+from jaxspec import errors, inference
 from jaxspec.checkpoints import feature_draft as head_checkpoints
 from jaxspec.config import T5Config
 from jaxspec.data import corpora
@@ -72,6 +76,7 @@ def train_feature_draft(
     eval_every: int = 250, eval_examples: int = 512, log_every: int = 25, seed: int = 0,
     max_train_examples: int | None = None, sequence_kd: bool = False,
     sequence_kd_cache_dir: str | None = None, feature_store_dir: str | None = None,
+    extra_inputs: str | None = None, init_checkpoint: str | None = None,
     length_quantum: int = training.LENGTH_QUANTUM):
   """Trains a head of `num_layers` decoder layers over the frozen target.
 
@@ -80,26 +85,45 @@ def train_feature_draft(
   sequence_kd: train on the target's greedy outputs (cached in sequence_kd_cache_dir).
   feature_store_dir: compute the target's features once and keep them there (module
   docstring); None runs the target in every step.
+  extra_inputs: an inputs-only corpus added to the training inputs (needs sequence_kd).
+  init_checkpoint: a head checkpoint (directory) a run without checkpoints starts from.
   """
+  if extra_inputs and not sequence_kd:
+    raise errors.InvalidSetting(
+        f'train_feature_draft.extra_inputs ({extra_inputs!r}) has no references: its '
+        'targets are the target\'s greedy outputs, so set train_feature_draft.sequence_kd = True')
+  if extra_inputs and corpora.INPUTS_ONLY.get(extra_inputs) != corpus:
+    raise errors.InvalidSetting(
+        f'train_feature_draft.extra_inputs must be an inputs-only corpus of {corpus!r} '
+        f'({", ".join(k for k, v in corpora.INPUTS_ONLY.items() if v == corpus) or "none"}), '
+        f'got {extra_inputs!r}')
   config = feature_draft.head_config(target_model, num_layers)
   os.makedirs(checkpoint_dir, exist_ok=True)
   with open(os.path.join(checkpoint_dir, 'config.gin'), 'w') as f:
     f.write(gin.operative_config_str())
   vocab = corpora.Vocabulary()
-  train_pairs = train_script._encoded_pairs(corpus, 'train', vocab, input_length,
-                                            target_length, max_train_examples)
-  eval_pairs = train_script._encoded_pairs(corpus, 'validation', vocab, input_length,
-                                           target_length, eval_examples)
+  train_pairs = corpora.encoded_split(corpus, 'train', vocab, input_length, target_length,
+                                      max_train_examples)
+  eval_pairs = corpora.encoded_split(corpus, 'validation', vocab, input_length,
+                                     target_length, eval_examples)
   tx = training.make_optimizer(optimizer, num_steps)
   target_params = inference.load_model_params(target_checkpoint, target_model)
+  parts = [train_pairs]
+  if extra_inputs:
+    parts.append(corpora.encoded_split(extra_inputs, 'train', vocab, input_length,
+                                       target_length, max_train_examples))
   if sequence_kd:
-    train_pairs = train_script._sequence_kd_pairs(
-        train_pairs, target_params['params'], target_model, target_length,
-        sequence_kd_cache_dir, batch_size, length_quantum)
+    parts = [distillation.sequence_kd_pairs(part, target_params['params'], target_model,
+                                            target_length, sequence_kd_cache_dir, batch_size,
+                                            length_quantum)
+             for part in parts]
+  train_pairs = [pair for part in parts for pair in part]
   store = None
   if feature_store_dir:
-    store = target_features.cached(feature_store_dir, target_params, target_model,
-                                   train_pairs, batch_size, length_quantum)
+    store = target_features.concatenate([
+        target_features.cached(feature_store_dir, target_params, target_model, part,
+                               batch_size, length_quantum)
+        for part in parts])
   eval_batches = training.epoch_batches(
       _greedy_pairs(eval_pairs, target_params, target_model, target_length, length_quantum),
       batch_size, seed, 0, length_quantum)
@@ -110,6 +134,9 @@ def train_feature_draft(
     params = feature_draft.init_params(config, jax.random.PRNGKey(seed))
   params = jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True), params['params'])
   head_checkpoints.check_params(params, config)
+  if init_checkpoint and not train_script.latest_step(checkpoint_dir):
+    params = jax.device_put(head_checkpoints.load(init_checkpoint, config))
+    print(f'initialized from {init_checkpoint}', flush=True)
   params, opt_state, start = train_script.resume(
       checkpoint_dir, params, tx.init(params),
       lambda: head_checkpoints.load(checkpoint_dir, config))

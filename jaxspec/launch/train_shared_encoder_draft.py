@@ -95,10 +95,10 @@ def train_shared_encoder_draft(
   if vocab.vocab_size > model.vocab_size:
     raise errors.InvalidSetting(f'the vocabulary has {vocab.vocab_size} pieces but the draft only '
                                 f'{model.vocab_size} embeddings')
-  train_pairs = train_script._encoded_pairs(corpus, 'train', vocab, input_length,
-                                            target_length, max_train_examples)
-  eval_pairs = train_script._encoded_pairs(corpus, 'validation', vocab, input_length,
-                                           target_length, eval_examples)
+  train_pairs = corpora.encoded_split(corpus, 'train', vocab, input_length, target_length,
+                                      max_train_examples)
+  eval_pairs = corpora.encoded_split(corpus, 'validation', vocab, input_length,
+                                     target_length, eval_examples)
   eval_batches = training.epoch_batches(eval_pairs, batch_size, seed, 0, length_quantum)
   tx = training.make_optimizer(optimizer, num_steps)
   target_params = inference.load_model_params(target_checkpoint, target_model)

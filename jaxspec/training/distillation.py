@@ -27,6 +27,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
+import json
+import os
+import time
 from typing import Any, Sequence
 
 import jax
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxspec import paths
 from jaxspec.config import T5Config
 from jaxspec.decoding import baseline
 from jaxspec.model import T5
@@ -275,6 +280,40 @@ def greedy_targets(params, config: T5Config, input_ids: Sequence[Sequence[int]],
     for slot, index in enumerate(rows):
       outputs[index] = tokens[slot, :lengths[slot]].tolist()
   return outputs
+
+
+def sequence_kd_pairs(pairs, teacher_params, teacher_model: T5Config, target_length: int,
+                      cache_dir: str | None, batch_size: int = 64,
+                      quantum: int = LENGTH_QUANTUM) -> list[tuple[list[int], list[int]]]:
+  """pairs (input ids, target ids) with every target replaced by the teacher's greedy
+  output (teacher_params: the tree without the 'params' key).
+
+  Decoded once; with a cache_dir, kept there under the fingerprint of the teacher's
+  weights, its config, the inputs and the length, and read back by later runs.
+  """
+  input_ids = [pair[0] for pair in pairs]
+  cache_file = None
+  if cache_dir:
+    key = teacher_fingerprint(teacher_params, teacher_model, target_length,
+                              json.dumps(input_ids))
+    cache_file = os.path.join(cache_dir, f'greedy_targets_{key[:24]}.npz')
+    if os.path.exists(cache_file):
+      with np.load(cache_file) as cached:
+        targets = np.split(cached['tokens'], cached['ends'][:-1])
+      print(f'teacher greedy targets read from {cache_file}', flush=True)
+      return [(inputs, row.tolist()) for inputs, row in zip(input_ids, targets)]
+  started = time.time()
+  targets = greedy_targets({'params': teacher_params}, teacher_model, input_ids,
+                           target_length, batch_size, quantum)
+  print(f'teacher greedy targets for {len(targets)} inputs in {time.time() - started:.0f} s',
+        flush=True)
+  if cache_file:
+    os.makedirs(cache_dir, exist_ok=True)
+    contents = io.BytesIO()
+    np.savez(contents, tokens=np.concatenate([np.asarray(t, np.int32) for t in targets]),
+             ends=np.cumsum([len(t) for t in targets]))
+    paths.atomic_write(cache_file, contents.getvalue())
+  return [(inputs, row) for inputs, row in zip(input_ids, targets)]
 
 
 # ---------------------------------------------------------------------------

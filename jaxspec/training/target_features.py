@@ -109,6 +109,24 @@ def batch(store: TargetFeatures, example_ids: np.ndarray, target_width: int,
           'cross_values': values.transpose(0, 2, 3, 1)}
 
 
+def concatenate(stores: Sequence[TargetFeatures]) -> TargetFeatures:
+  """One store of every example of `stores`, in order (example i of the second store is
+  len(first) + i); a single store is returned as it is."""
+  if len(stores) == 1:
+    return stores[0]
+
+  def ends(name, rows):
+    offsets = np.cumsum([0] + [len(getattr(s, rows)) for s in stores[:-1]])
+    return np.concatenate([getattr(s, name) + offset for s, offset in zip(stores, offsets)])
+
+  return TargetFeatures(
+      features=np.concatenate([s.features for s in stores]),
+      cross_keys=np.concatenate([s.cross_keys for s in stores]),
+      cross_values=np.concatenate([s.cross_values for s in stores]),
+      target_ends=ends('target_ends', 'features'),
+      input_ends=ends('input_ends', 'cross_keys'))
+
+
 def store_path(directory: str, target_params, target_config: T5Config,
                pairs: Sequence[tuple[list[int], list[int]]]) -> str:
   """Where the store of these pairs under this target lives in `directory`."""
