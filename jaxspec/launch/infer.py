@@ -829,7 +829,8 @@ def infer(*, target_model: T5Config = gin.REQUIRED, target_checkpoint: str = gin
         speculative=speculative, decoders=decoders, seed=seed, partitioner=partitioner,
         input_length_buckets=input_length_buckets, own_text=input_file is not None,
         view_examples=view_examples, beam=beam, speculative_beam=speculative_beam,
-        interleave=interleave, auto_gammas=auto_gammas, calibration_dir=calibration_dir)
+        interleave=interleave, auto_gammas=auto_gammas, calibration_dir=calibration_dir,
+        checkpoint_identities=(settings['target_checkpoint'], settings['draft_checkpoint']))
   finally:
     if lock is not None:
       lock.release()
@@ -843,8 +844,11 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
                           speculative_beam=SpeculativeBeamConfig(),
                           interleave: bool = True,
                           auto_gammas: tuple[int, ...] = auto_gamma.DEFAULT_GAMMAS,
-                          calibration_dir: str | None = None) -> dict:
-  """Loads the models, decodes what output_dir lacks and writes the summary."""
+                          calibration_dir: str | None = None,
+                          checkpoint_identities: tuple = ()) -> dict:
+  """Loads the models, decodes what output_dir lacks and writes the summary.
+  checkpoint_identities: the run settings' (target, draft) checkpoint identities, which
+  key gamma='auto' calibrations too."""
   examples, vocab = task.examples, task.vocab
   target_params = (partitioner.load_params(target_checkpoint, target_model) if partitioner
                    else inference.load_model_params(target_checkpoint, target_model,
@@ -920,9 +924,7 @@ def _decode_and_summarize(*, task, inputs, output_dir, fingerprint, target_model
         speculative, batch_size=batch_size, gammas=auto_gammas,
         key=calibration_key(target_model, drafter, sampling, speculative,
                             input_length=inputs.shape[1], max_decode_length=max_decode_length,
-                            checkpoints=(
-                                inference.checkpoint_identity(target_checkpoint),
-                                draft_checkpoint_identity(drafter, draft_checkpoint)),
+                            checkpoints=checkpoint_identities,
                             mesh=dict(partitioner.mesh.shape) if partitioner else None),
         calibration_dir=calibration_dir,
         calibration_batches=[pad_batch(indices) for indices in calibration_sample(
