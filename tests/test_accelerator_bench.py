@@ -1,9 +1,10 @@
 """jaxspec-accelerator-bench (jaxspec/launch/accelerator_bench.py, jaxspec/measure/accelerator.py)
 on the CPU at tiny shapes, so the command that runs on accelerators cannot rot.
 
-No timing is asserted beyond its sign: the tests check what is measured and written,
-after each part, with the documented fields and values that hold by construction
-(V(1) = 1, greedy outputs identical to the baseline's, c > 0), and the pure pieces
+No timing is asserted beyond the sign of a time measured whole (a slope of two loops only
+for being finite): the tests check what is measured and written, after each part, with
+the documented fields and values that hold by construction (V(1) = 1, greedy outputs
+identical to the baseline's), and the pure pieces
 (bandwidth table, Table 2 arithmetic, budgets, the int8 draft's shapes, a step's bytes)
 against independent computations.
 """
@@ -222,6 +223,13 @@ def _positive(value):
   return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+def _measured(value):
+  """A time taken as the slope of two loops (a proposal, and the c and predicted speedups
+  made of it) is only checked for being measured: on a loaded machine the tiny model's
+  shorter loop can come out above the longer one (test_loop_overhead says the same)."""
+  return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def test_every_part_is_written_when_it_ends(tiny_run):
   record, writes, out = tiny_run
   assert record['parts_done'] == list(PARTS)
@@ -266,11 +274,11 @@ def test_step_costs(tiny_run):
       assert step['bandwidth_fraction'] is None  # no peak for a CPU
     assert _positive(entry['step_bytes']) and _positive(entry['int8_draft']['step_bytes'])
     assert entry['int8_draft']['step_bytes'] < entry['step_bytes']  # int8 weights
-    assert _positive(entry['int8_draft']['c']) and _positive(entry['small_draft']['c'])
+    assert _measured(entry['int8_draft']['c']) and _positive(entry['small_draft']['c'])
     head = entry['feature_head']  # one layer of the target's width and its LM head
-    assert head['layers'] == 1 and _positive(head['proposal_ms']) and _positive(head['c'])
+    assert head['layers'] == 1 and _measured(head['proposal_ms']) and _measured(head['c'])
     draft = record['drafts']['small'][batch]
-    assert _positive(draft['step_ms']) and _positive(draft['proposal_ms'])
+    assert _positive(draft['step_ms']) and _measured(draft['proposal_ms'])
     # The A/B items: each variant's steps beside the run's own, target and draft.
     assert record['layout'] == 'transposed'  # the CPU's; an accelerator's is 'fused'
     for variants, fields in ((entry['variants'], ('step', 'verify')),
@@ -306,7 +314,7 @@ def test_table2_from_the_measured_costs(tiny_run):
   assert len(table['rows']) == 13
   head = table['rows'][-1]  # the feature head, at the alpha measured on the CPU
   assert (head['draft'], head['task'], head['paper_speedup']) == ('feature head', 'EnDe', None)
-  assert head['c'] == table['c']['feature head'] and _positive(head['predicted_speedup'])
+  assert head['c'] == table['c']['feature head'] and _measured(head['predicted_speedup'])
   assert head['alpha'] == accelerator_bench.FEATURE_ALPHA
   for row in table['rows'][:-1]:
     if row['draft'] == 'small':  # the only draft measured at tiny shapes
@@ -357,11 +365,11 @@ def test_drafters(tiny_run):
   assert set(record['drafters']) == {'small', 'int8'} and record['skipped'] == []
   assert _positive(record['step_ms']) and _positive(record['verify_cost'])
   for name, entry in record['drafters'].items():
-    assert _positive(entry['c']), name
+    assert _measured(entry['c']), name
     assert set(entry['runs']) == {0.0, 1.0}
     for temperature, run in entry['runs'].items():
       assert 0.0 <= run['alpha'] <= 1.0 and _positive(run['speedup'])
-      assert _positive(run['predicted_speedup'])
+      assert _measured(run['predicted_speedup'])
       assert run['identical_outputs'] is (True if temperature == 0.0 else None)
   # The int8 copy of the target's own decoder proposes nearly the target's tokens.
   assert record['drafters']['int8']['runs'][0.0]['alpha'] > 0.5

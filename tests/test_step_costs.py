@@ -83,7 +83,9 @@ def test_script_writes_json_markdown_and_plot(tmp_path):
           f"{int8['iteration_ms']:.2f} ms | {int8['interference_ms']:+.2f} ms |") in table
   head = target['feature_head']
   assert (head['layers'], head['gamma'], head['weights']) == (1, 2, 'int8')
-  assert head['proposal_ms'] > 0 and math.isfinite(head['c'])
+  # A slope of two loops, as the int8 draft's proposal: finite, and of any sign on a
+  # loaded machine at these sizes.
+  assert math.isfinite(head['proposal_ms']) and math.isfinite(head['c'])
   assert (f"| test_tiny_1_1 | 1 | 2 | {head['proposal_ms']:.2f} ms | {head['c']:.3f} | "
           f"{int8['proposal_ms']:.2f} ms | {int8['c']:.3f} |") in table
   assert math.isclose(int8['interference_ms'],
