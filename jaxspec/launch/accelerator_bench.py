@@ -117,7 +117,7 @@ TEMPERATURES = (0.0, 1.0)
 # The shipped feature head's alpha at T = 0 on the EnDe test split (jaxspec-infer with
 # configs/infer/ende54m_feature.gin at gamma 3, results/feature_head/), part c's
 # stand-in for a head over T5-XXL.
-FEATURE_ALPHA = 0.54
+FEATURE_ALPHA = 0.565
 DEFAULT_POSITIONS = '2,4,6,8,9,16,32,64'
 # gamma='auto' must decode at least this fraction of the baseline's speed (part d).
 AUTO_FLOOR = 0.97
