@@ -124,6 +124,15 @@ def clean_pair(english, german):
   return english, german
 
 
+def msgid_english(msgid, charset, name):
+  """The English string of a catalog's msgid: decoded, without its msgctxt and, in
+  gnupg2, without GnuPG's '|pinentry-label|' context prefix."""
+  english = msgid.decode(charset).split('\x04')[-1]
+  if name == 'gnupg2':
+    english = re.sub(r'^\|[^|]*\|', '', english)
+  return english
+
+
 def catalog_pairs(path):
   """Cleaned (english, german, source) triples of one .mo catalog."""
   pairs = read_mo(path)
@@ -133,10 +142,8 @@ def catalog_pairs(path):
   for msgid, msgstr in pairs:
     if not msgid or b'\x00' in msgid:  # header entry; plural forms
       continue
-    english = msgid.decode(charset).split('\x04')[-1]  # drops a msgctxt
+    english = msgid_english(msgid, charset, name)
     german = msgstr.decode(charset)
-    if name == 'gnupg2':  # '|pinentry-label|_OK': GnuPG's context prefix
-      english = re.sub(r'^\|[^|]*\|', '', english)
     if name in MNEMONIC_CATALOGS:
       english, german = strip_mnemonics(english, german)
     pair = clean_pair(english, german)
@@ -156,11 +163,9 @@ def catalog_english(path):
     if not msgid or b'\x00' in msgid:
       continue
     try:
-      english = msgid.decode(charset).split('\x04')[-1]
+      english = msgid_english(msgid, charset, name)
     except UnicodeDecodeError:
       continue
-    if name == 'gnupg2':
-      english = re.sub(r'^\|[^|]*\|', '', english)
     if name in MNEMONIC_CATALOGS:
       english = mnemonic_removed(english, '')
     english = collapse_whitespace(english)
