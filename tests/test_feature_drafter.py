@@ -11,6 +11,10 @@ jaxspec.training.feature_draft: a feature-level draft head over the target's hid
   (token, block, coupled, adaptive gamma, shorter verify steps, a token tree); coupled
   sampling the baseline's draws; token-wise and block sampling the target's exact
   distribution (the enumeration of tests/test_speculative.py).
+- Fused features (feature_layers, as EAGLE-3): the verify step's layer outputs are those
+  of the target cut after each layer; a head trained on h alone, widened, drafts as it
+  did; trained over the layers it proposes as the from-scratch reference does, and is
+  exact in every verification mode.
 - Params: the checkpoint round trip and the errors of a wrong head.
 """
 
@@ -60,10 +64,36 @@ def _greedy_batches(target_params, inputs, batch_size=64):
           for i in range(0, len(pairs), batch_size)]
 
 
-def _agreement(head, batches, target_params, config):
+def _agreement(head, batches, target_params, config, feature_layers=()):
   sums = [feature_training.eval_step(head, b, target_params, config=config,
-                                     target_config=TARGET, unroll=2) for b in batches]
+                                     target_config=TARGET, unroll=2,
+                                     feature_layers=feature_layers) for b in batches]
   return np.sum([s[0] for s in sums], axis=0) / np.sum([s[1] for s in sums])
+
+
+@functools.cache
+def _batches():
+  """(training batches, held-out batches) on the target's greedy outputs."""
+  target_params = spec_tests._target_params()
+  return (_greedy_batches(target_params, _random_inputs(512, 0)),
+          _greedy_batches(target_params, _random_inputs(128, 1)))
+
+
+def _train(head, config, num_steps, feature_layers=()):
+  target_params = spec_tests._target_params()
+  train = _batches()[0]
+  optimizer = training.make_optimizer(
+      training.OptimizerConfig(name='adamw', learning_rate=3e-3, warmup_steps=20,
+                               decay='cosine'), num_steps)
+  loss = feature_training.FeatureLossConfig()
+  head = jax.tree_util.tree_map(jnp.array, head)
+  state = optimizer.init(head)
+  for step in range(num_steps):
+    head, state, _ = feature_training.train_step(
+        head, state, train[step % len(train)], target_params, jax.random.PRNGKey(step),
+        config=config, target_config=TARGET, optimizer=optimizer, loss=loss,
+        feature_layers=feature_layers)
+  return jax.device_get(head)
 
 
 @functools.cache
@@ -73,32 +103,94 @@ def _training():
   config = feature_draft.head_config(TARGET, 1)
   head = feature_draft.from_target(target_params, config, jax.random.PRNGKey(0))['params']
   initial = jax.tree_util.tree_map(np.array, jax.device_get(head))
-  train = _greedy_batches(target_params, _random_inputs(512, 0))
-  held_out = _greedy_batches(target_params, _random_inputs(128, 1))
+  held_out = _batches()[1]
   before = _agreement(head, held_out, target_params, config)
-  optimizer = training.make_optimizer(
-      training.OptimizerConfig(name='adamw', learning_rate=3e-3, warmup_steps=20,
-                               decay='cosine'), TRAIN_STEPS)
-  loss = feature_training.FeatureLossConfig()
-  head = jax.tree_util.tree_map(jnp.array, head)
-  state = optimizer.init(head)
-  for step in range(TRAIN_STEPS):
-    head, state, _ = feature_training.train_step(
-        head, state, train[step % len(train)], target_params, jax.random.PRNGKey(step),
-        config=config, target_config=TARGET, optimizer=optimizer, loss=loss)
-  trained = jax.device_get(head)
+  trained = _train(head, config, TRAIN_STEPS)
   return config, initial, trained, before, _agreement(trained, held_out, target_params, config)
 
 
+FUSED = (1, 0)  # the target's decoder layers a fused head reads beside h (out of order)
+FUSED_STEPS = 150
+
+
 @functools.cache
-def _drafter_params():
-  return FeatureDrafter.make_params(_training()[2], spec_tests._target_params())
+def _fused_training():
+  """(the trained head widened to read FUSED, its agreement, that head trained further
+  over FUSED, its agreement), agreements on the held-out batches."""
+  config, _, trained, _, _ = _training()
+  target_params = spec_tests._target_params()
+  widened = feature_draft.with_feature_layers(trained, config, len(FUSED))['params']
+  held_out = _batches()[1]
+  fused = _train(widened, config, FUSED_STEPS, FUSED)
+  return (widened, _agreement(widened, held_out, target_params, config, FUSED), fused,
+          _agreement(fused, held_out, target_params, config, FUSED))
+
+
+@functools.cache
+def _drafter_params(feature_layers=()):
+  head = _fused_training()[2] if feature_layers else _training()[2]
+  return FeatureDrafter.make_params(head, spec_tests._target_params())
 
 
 def test_training_raises_agreement_with_the_target():
   _, _, _, before, after = _training()
   assert after[0] > before[0] + 0.3, (before, after)
   assert after[0] > 0.5 and after[1] > 0.4, after
+
+
+def test_feature_layers_are_the_outputs_of_the_target_cut_after_them():
+  # decode_with_features(feature_layers=(1, 0)): h, then layer 1's output, then layer 0's,
+  # each RMS-normalized without a scale; times the final norm's scale, layer i's is the
+  # final hidden state of the target cut after layer i (the same weights, fewer layers).
+  params = spec_tests._target_params()
+  encoder_tokens = jnp.asarray(spec_tests._encoder_tokens()[:3])
+  tokens = jnp.asarray(np.random.default_rng(0).integers(2, TARGET.vocab_size, (3, 5)),
+                       jnp.int32)
+
+  def run(config, variables, feature_layers=()):
+    model = T5(config)
+    encoded = model.apply(variables, encoder_tokens, method=T5.encode)
+    cache = model.apply(variables, encoded, encoder_tokens, 8, method=T5.init_cache)
+    return model.apply(variables, tokens, cache, feature_layers=feature_layers,
+                       method=T5.decode_with_features)
+
+  logits, h, _ = run(TARGET, params)
+  fused_logits, fused, _ = run(TARGET, params, FUSED)
+  width = TARGET.emb_dim
+  assert fused.shape == (3, 5, 3 * width)
+  np.testing.assert_array_equal(np.asarray(fused_logits), np.asarray(logits))
+  np.testing.assert_array_equal(np.asarray(fused[..., :width]), np.asarray(h))
+  scale = np.asarray(params['params']['decoder']['decoder_norm']['scale'])
+  cut = jax.tree_util.tree_map(lambda x: x, params)
+  del cut['params']['decoder']['layers_1']
+  _, cut_h, _ = run(TARGET.replace(num_decoder_layers=1), cut)
+  for column, want in ((1, h), (2, cut_h)):  # layer 1 (the last), then layer 0
+    got = np.asarray(fused[..., column * width:(column + 1) * width]) * scale
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(np.asarray(cut_h), np.asarray(h), atol=1e-2)
+
+
+def test_a_widened_head_drafts_as_it_did_and_trains_over_the_layers():
+  widened, widened_agreement, fused, fused_agreement = _fused_training()
+  config, _, trained, _, trained_agreement = _training()
+  kernel = np.asarray(widened['fuse']['kernel'])
+  assert kernel.shape == (4 * TARGET.emb_dim, TARGET.emb_dim)
+  assert not kernel[2 * TARGET.emb_dim:].any()
+  np.testing.assert_array_equal(kernel[:2 * TARGET.emb_dim],
+                                np.asarray(trained['fuse']['kernel']))
+  np.testing.assert_allclose(widened_agreement, trained_agreement, atol=0.01)
+  # Trained over the layers' outputs: the new rows are used, and agreement holds or rises.
+  assert np.abs(np.asarray(fused['fuse']['kernel'])[2 * TARGET.emb_dim:]).max() > 1e-3
+  assert fused_agreement[0] >= widened_agreement[0] - 0.02, (widened_agreement,
+                                                              fused_agreement)
+  # A prediction (h alone) reads zeros for the layers; any other width is refused.
+  predicted = jnp.ones((1, 2, TARGET.emb_dim))
+  np.testing.assert_array_equal(
+      np.asarray(feature_draft.as_read(predicted, TARGET.emb_dim, 2))[..., TARGET.emb_dim:], 0)
+  with pytest.raises(ValueError, match='reads 32 or 96'):
+    feature_draft.as_read(jnp.ones((1, 2, 64)), TARGET.emb_dim, 2)
+  with pytest.raises(ValueError, match='more target layers than 1'):
+    feature_draft.with_feature_layers(widened, config, 1)
 
 
 # ----------------------------------------------------------------------------------
@@ -109,19 +201,21 @@ REFERENCE_LENGTH = MAX_LEN + 4  # every committed prefix and a proposal after it
 
 
 @functools.cache
-def _reference_programs():
+def _reference_programs(feature_layers=()):
   """(target features over fixed-length inputs, the head over every slot and its logits),
   jitted at REFERENCE_LENGTH: causal attention makes slot j's values those of the slots up
   to j alone, whatever the padding after them."""
   config, target_params = _training()[0], spec_tests._target_params()
-  model, head = T5(TARGET), feature_draft.FeatureDraft(config)
+  model = T5(TARGET)
+  head = feature_draft.FeatureDraft(config, num_feature_layers=len(feature_layers))
 
   @jax.jit
-  def target_features(encoder_row, inputs):  # [1, s], [1, T] -> h [1, T, e], its cache
+  def target_features(encoder_row, inputs):  # [1, s], [1, T] -> [1, T, e (1 + n)], cache
     encoded = model.apply(target_params, encoder_row, method=T5.encode)
     cache = model.apply(target_params, encoded, encoder_row, REFERENCE_LENGTH,
                         method=T5.init_cache)
     _, features, cache = model.apply(target_params, inputs, cache,
+                                     feature_layers=feature_layers,
                                      method=T5.decode_with_features)
     return features, cache
 
@@ -137,21 +231,24 @@ def _reference_programs():
   return target_features, head_over_slots
 
 
-def _reference_drafts(encoder_row, prefix, gamma):
+def _reference_drafts(encoder_row, prefix, gamma, feature_layers=()):
   """The greedy drafts after `prefix` (committed tokens x_1..x_L), computed from scratch:
-  the target teacher forced over x_0..x_L for h_0..h_{L-1}, then for each draft the head
-  over every slot (the target's features up to slot L, its own predictions after it).
+  the target teacher forced over x_0..x_L for h_0..h_{L-1} (and the feature layers'
+  outputs), then for each draft the head over every slot (the target's features up to
+  slot L, its own predictions after it, with zeros for the layers' outputs).
   -> (drafts [gamma], the margin of each draft's logit over the runner-up)."""
-  target_features, head_over_slots = _reference_programs()
+  target_features, head_over_slots = _reference_programs(feature_layers)
+  head = _fused_training()[2] if feature_layers else _training()[2]
   length = len(prefix)
   inputs = np.zeros((1, REFERENCE_LENGTH), np.int32)
   inputs[0, 1:length + 1] = prefix  # x_0 = 0
   true_features, cache = target_features(jnp.asarray(encoder_row)[None], jnp.asarray(inputs))
-  slot_features = np.zeros((1, REFERENCE_LENGTH, TARGET.emb_dim), np.float32)
+  width = TARGET.emb_dim * (1 + len(feature_layers))
+  slot_features = np.zeros((1, REFERENCE_LENGTH, width), np.float32)
   slot_features[0, 1:length + 1] = np.asarray(true_features)[0, :length]  # slot j: h_{j-1}
   drafts, margins = [], []
   for i in range(gamma):
-    predicted, logits = head_over_slots(_training()[2], jnp.asarray(slot_features),
+    predicted, logits = head_over_slots(head, jnp.asarray(slot_features),
                                         jnp.asarray(inputs), cache)
     slot = length + i  # the slot whose prediction is draft i + 1
     row = np.asarray(logits)[0, slot]
@@ -159,22 +256,24 @@ def _reference_drafts(encoder_row, prefix, gamma):
     drafts.append(int(np.argmax(row)))
     margins.append(float(top[1] - top[0]))
     inputs[0, slot + 1] = drafts[-1]
-    slot_features[0, slot + 1] = np.asarray(predicted)[0, slot]
+    slot_features[0, slot + 1, :TARGET.emb_dim] = np.asarray(predicted)[0, slot]
   return drafts, margins
 
 
 @functools.cache
-def _traced_run(gamma):
+def _traced_run(gamma, feature_layers=()):
   return speculative_generate(
-      spec_tests._target_params(), _drafter_params(), spec_tests._encoder_tokens(),
-      target_config=TARGET, drafter=FeatureDrafter(TARGET),
+      spec_tests._target_params(), _drafter_params(feature_layers),
+      spec_tests._encoder_tokens(), target_config=TARGET,
+      drafter=FeatureDrafter(TARGET, feature_layers=feature_layers),
       spec=SpeculativeConfig(gamma=gamma), max_decode_length=MAX_LEN, sampling=GREEDY,
       record_trace=True)
 
 
-def test_every_proposal_equals_the_from_scratch_reference():
+@pytest.mark.parametrize('feature_layers', [(), FUSED], ids=['h', 'fused'])
+def test_every_proposal_equals_the_from_scratch_reference(feature_layers):
   gamma = 3
-  result = _traced_run(gamma)
+  result = _traced_run(gamma, feature_layers)
   trace = jax.device_get(result.trace)
   encoder_tokens = spec_tests._encoder_tokens()
   compared = full_accepts = caught_up_windows = 0
@@ -184,7 +283,8 @@ def test_every_proposal_equals_the_from_scratch_reference():
       if trace.committed[row, t] == 0:
         break
       proposed = int(trace.num_drafts[row, t])
-      reference, margins = _reference_drafts(encoder_tokens[row], prefix, gamma)
+      reference, margins = _reference_drafts(encoder_tokens[row], prefix, gamma,
+                                             feature_layers)
       for i in range(proposed):
         if margins[i] > 1e-4:  # a near tie may round either way in another shape
           assert trace.drafts[row, t, i] == reference[i], (row, t, i, prefix)
@@ -272,11 +372,19 @@ GREEDY_SPECS = {
 }
 
 
-@pytest.mark.parametrize('name', list(GREEDY_SPECS))
-def test_greedy_output_is_the_baselines(name):
+# A fused head in the modes whose verify steps differ (one step, one of several lengths,
+# a tree) and in coupled verification.
+FUSED_GREEDY = ('token_gamma4', 'coupled', 'verify_lengths', 'tree')
+
+
+@pytest.mark.parametrize('name,feature_layers',
+                         [(name, ()) for name in GREEDY_SPECS]
+                         + [(name, FUSED) for name in FUSED_GREEDY])
+def test_greedy_output_is_the_baselines(name, feature_layers):
   result = speculative_generate(
-      spec_tests._target_params(), _drafter_params(), spec_tests._encoder_tokens(),
-      target_config=TARGET, drafter=FeatureDrafter(TARGET), spec=GREEDY_SPECS[name],
+      spec_tests._target_params(), _drafter_params(feature_layers),
+      spec_tests._encoder_tokens(), target_config=TARGET,
+      drafter=FeatureDrafter(TARGET, feature_layers=feature_layers), spec=GREEDY_SPECS[name],
       max_decode_length=MAX_LEN, sampling=GREEDY, record_trace=True)
   np.testing.assert_array_equal(np.asarray(result.output.tokens),
                                 np.asarray(spec_tests._baseline().tokens))
@@ -339,28 +447,32 @@ def test_coupled_sampling_gives_the_baselines_draws():
 
 
 @functools.cache
-def _small_head_params():
+def _small_head_params(feature_layers=()):
   """A random head over tests/test_speculative.py's SMALL target (vocab 6)."""
   config = feature_draft.head_config(spec_tests.SMALL, 1)
-  head = feature_draft.init_params(config, jax.random.PRNGKey(9))
+  head = feature_draft.init_params(config, jax.random.PRNGKey(9),
+                                   num_feature_layers=len(feature_layers))
   return FeatureDrafter.make_params(head, spec_tests._small_target_params())
 
 
 SAMPLED_SPECS = {
-    'token': SpeculativeConfig(gamma=2),
-    'block': SpeculativeConfig(gamma=2, verification='block'),
-    'adaptive': SpeculativeConfig(gamma=2, draft_confidence_threshold=0.5),
+    'token': (SpeculativeConfig(gamma=2), ()),
+    'block': (SpeculativeConfig(gamma=2, verification='block'), ()),
+    'adaptive': (SpeculativeConfig(gamma=2, draft_confidence_threshold=0.5), ()),
+    'token_fused': (SpeculativeConfig(gamma=2), (0,)),
 }
 
 
 @pytest.mark.parametrize('name', list(SAMPLED_SPECS))
 def test_sampling_matches_the_exact_distribution(name):
   sampling, gamma, length = spec_tests.SAMPLED_CASES['t1_gamma2']
+  spec, feature_layers = SAMPLED_SPECS[name]
   result = speculative_generate(
-      spec_tests._small_target_params(), _small_head_params(),
+      spec_tests._small_target_params(), _small_head_params(feature_layers),
       spec_tests._small_encoder_tokens(), jax.random.PRNGKey(0),
-      target_config=spec_tests.SMALL, drafter=FeatureDrafter(spec_tests.SMALL),
-      spec=SAMPLED_SPECS[name], max_decode_length=length, sampling=sampling)
+      target_config=spec_tests.SMALL,
+      drafter=FeatureDrafter(spec_tests.SMALL, feature_layers=feature_layers),
+      spec=spec, max_decode_length=length, sampling=sampling)
   outcomes, probs = spec_tests._exact_joint('target', sampling, length)
   spec_tests._assert_matches(result.output.tokens, outcomes, probs)
   counts = np.asarray(result.stats.num_accepted_counts)
@@ -396,6 +508,31 @@ def test_checkpoint_round_trip_and_wrong_heads(tmp_path):
   head_checkpoints.check_params(trained, config)
   with pytest.raises(ValueError, match="target's verify steps"):
     StagedDrafter(drafter=Int8Drafter(TARGET), proposer=FeatureDrafter(TARGET))
+
+
+def test_fused_checkpoints_and_wrong_feature_layers(tmp_path):
+  config, _, trained, _, _ = _training()
+  fused = _fused_training()[2]
+  t5x_checkpoints.save_t5x_checkpoint(str(tmp_path / 'fused'), fused, 3)
+  t5x_checkpoints.save_t5x_checkpoint(str(tmp_path / 'h'), trained, 3)
+  target_params = spec_tests._target_params()
+  sources = DraftSources(checkpoint=str(tmp_path / 'fused'), target_params=target_params)
+  params = FeatureDrafter(TARGET, feature_layers=FUSED).load_params(sources)
+  np.testing.assert_array_equal(
+      np.asarray(feature_draft_layout(params['head']['params'])['fuse']['kernel']),
+      np.asarray(fused['fuse']['kernel']))
+  with pytest.raises(ValueError, match=r'fuse/kernel reads 2 target layer\(s\) beside h, the '
+                     'drafter is set to 0'):
+    FeatureDrafter(TARGET).load_params(sources)
+  for wrong in ((2,), (0, 0), (-1,)):
+    with pytest.raises(ValueError, match='distinct decoder layers 0..1 of the target'):
+      FeatureDrafter(TARGET, feature_layers=wrong)
+  # A head of h alone starts a run over more layers with zero rows; not the other way.
+  widened = head_checkpoints.load_widened(str(tmp_path / 'h'), config, 2)
+  np.testing.assert_array_equal(np.asarray(widened['fuse']['kernel']),
+                                np.asarray(_fused_training()[0]['fuse']['kernel']))
+  with pytest.raises(ValueError, match='reads more target layers than 1'):
+    head_checkpoints.load_widened(str(tmp_path / 'fused'), config, 1)
 
 
 def feature_draft_layout(tree):
@@ -524,3 +661,35 @@ def test_the_shipped_head_fits_the_shipped_target():
   assert head['fuse']['kernel'].shape == (2 * target.emb_dim, target.emb_dim)
   assert all(np.isfinite(np.asarray(leaf, np.float32)).all()
              for leaf in jax.tree_util.tree_leaves(head))
+
+
+def test_fused_head_through_the_launchers(tiny_checkpoints):
+  # jaxspec-train-feature-draft with feature_layers: on stored features (a store of its
+  # own, beside h alone's) as on the target run in every step; then jaxspec-infer drafts
+  # with it where FeatureDrafter.feature_layers matches, and names the mismatch where not.
+  from jaxspec.errors import InvalidSetting
+  from jaxspec.launch import infer as infer_script
+  tmp_path = tiny_checkpoints
+  fused = "train_feature_draft.feature_layers = (0,)\n"
+  store = f"train_feature_draft.feature_store_dir = '{tmp_path}/fused_store'\n"
+  computed = _train_head(tmp_path, 'fused_computed', 3, fused)
+  stored = _train_head(tmp_path, 'fused_stored', 3, fused + store)
+  for a, b in zip(jax.tree_util.tree_leaves(computed), jax.tree_util.tree_leaves(stored)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5)
+  assert computed['fuse']['kernel'].shape == (3 * 16, 16)  # h, the embedding, layer 0
+  _train_head(tmp_path, 'h_stored', 1, store)
+  assert len(os.listdir(tmp_path / 'fused_store')) == 2
+  with pytest.raises(InvalidSetting, match=r'distinct decoder layers 0..0 of the target, '
+                     r'got \(1,\)'):
+    _train_head(tmp_path, 'wrong', 1, "train_feature_draft.feature_layers = (1,)\n")
+  base = test_scripts._infer_config(tmp_path).replace(
+      "infer.drafter = @jaxspec.T5Drafter()\njaxspec.T5Drafter.config = @tiny_draft/jaxspec.T5Config()",
+      "infer.drafter = @jaxspec.FeatureDrafter()\n"
+      "jaxspec.FeatureDrafter.config = @tiny_target/jaxspec.T5Config()\n")
+  base = base.replace(f"infer.draft_checkpoint = '{tmp_path}/draft'",
+                      f"infer.draft_checkpoint = '{tmp_path}/fused_stored'")
+  test_scripts._parse(tmp_path, base + "jaxspec.FeatureDrafter.feature_layers = (0,)\n")
+  assert infer_script.infer()['identical_outputs'] == 5
+  test_scripts._parse(tmp_path, base + f"infer.output_dir = '{tmp_path}/out_h'\n")
+  with pytest.raises(InvalidSetting, match=r'reads 1 target layer\(s\) beside h'):
+    infer_script.infer()

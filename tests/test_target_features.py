@@ -1,9 +1,9 @@
 """jaxspec.training.target_features: the frozen target's features, computed once per
 training example and gathered per batch, against the target run in the step.
 
-- A batch's stored rows equal what the target computes on that batch (features, the last
-  layer's cross keys/values, the logits the LM head makes of them), in any row order and
-  padding; the store survives its file; `cached` computes once and reads back after;
+- A batch's stored rows equal what the target computes on that batch (features, with the
+  feature layers' outputs where asked, the last layer's cross keys/values, the logits the
+  LM head makes of them), in any row order and padding; the store survives its file; `cached` computes once and reads back after;
   stores of a set's parts, concatenated, read as the store of the whole set.
 - A training step on a stored batch moves the head exactly as one that runs the target.
 - epoch_batches names each batch's rows ('example_ids'), which the gathering relies on.
@@ -43,18 +43,21 @@ def test_epoch_batches_name_their_rows():
       assert not batch['targets'][row, len(target):].any()
 
 
-def test_stored_rows_equal_the_target_run_on_the_batch():
+@pytest.mark.parametrize('feature_layers', [(), (1, 0)], ids=['h', 'fused'])
+def test_stored_rows_equal_the_target_run_on_the_batch(feature_layers):
   pairs = _pairs()
   params = spec_tests._target_params()
   # A store computed in batches of 16 in length order, read back in batches of 8 in the
   # training order, padded to other widths (quantum 8 against 16).
-  store = target_features.compute(params, TARGET, pairs, batch_size=16, quantum=16)
+  store = target_features.compute(params, TARGET, pairs, batch_size=16, quantum=16,
+                                  feature_layers=feature_layers)
+  assert store.features.shape[1] == TARGET.emb_dim * (1 + len(feature_layers))
   for batch in training.epoch_batches(pairs, 8, seed=0, epoch=0, quantum=8):
     stored = _stored_batch(store, batch)
-    features, logits, cache = feature_training.target_features(params, batch,
-                                                               target_config=TARGET)
+    features, logits, cache = feature_training.target_features(
+        params, batch, target_config=TARGET, feature_layers=feature_layers)
     s_features, s_logits, s_cache = feature_training.stored_target_features(
-        params, stored, target_config=TARGET)
+        params, stored, target_config=TARGET, feature_layers=feature_layers)
     decoded = batch['targets'] > 0  # [b, t]
     np.testing.assert_allclose(np.asarray(s_features)[decoded], np.asarray(features)[decoded],
                                atol=2e-5)
@@ -79,8 +82,15 @@ def test_store_survives_its_file_and_is_computed_once(tmp_path, monkeypatch):
   again = target_features.cached(str(tmp_path), params, TARGET, pairs, batch_size=8)
   for name in ('features', 'cross_keys', 'cross_values', 'target_ends', 'input_ends'):
     np.testing.assert_array_equal(getattr(again, name), getattr(store, name))
-  # Other pairs (or another target) name another file.
+  # Other pairs (or another target, or other feature layers) name another file; h alone
+  # keeps the name stores had before feature layers.
   assert target_features.store_path(str(tmp_path), params, TARGET, pairs[1:]) != path
+  assert target_features.store_path(str(tmp_path), params, TARGET, pairs, (0,)) != path
+  assert target_features.store_path(str(tmp_path), params, TARGET, pairs, ()) == path
+  with pytest.raises(ValueError, match='width 32, the head reads 64'):
+    feature_training.stored_target_features(
+        params, _stored_batch(store, next(training.batch_stream(pairs, 4, seed=0))),
+        target_config=TARGET, feature_layers=(0,))
 
 
 def test_concatenated_stores_read_as_the_store_of_all_pairs():
@@ -100,15 +110,18 @@ def test_concatenated_stores_read_as_the_store_of_all_pairs():
       np.testing.assert_allclose(got[name], want[name], atol=2e-5)
 
 
-def test_a_step_on_a_stored_batch_equals_one_that_runs_the_target():
+@pytest.mark.parametrize('feature_layers', [(), (0,)], ids=['h', 'fused'])
+def test_a_step_on_a_stored_batch_equals_one_that_runs_the_target(feature_layers):
   pairs = _pairs()
   params = spec_tests._target_params()
-  store = target_features.compute(params, TARGET, pairs, batch_size=16)
+  store = target_features.compute(params, TARGET, pairs, batch_size=16,
+                                  feature_layers=feature_layers)
   config = feature_draft.head_config(TARGET, 1)
   optimizer = training.make_optimizer(training.OptimizerConfig(name='adamw',
                                                                learning_rate=1e-2), 10)
   loss = feature_training.FeatureLossConfig(unroll=2, feature_noise=0.1)
-  start = feature_draft.from_target(params, config, jax.random.PRNGKey(0))['params']
+  start = feature_draft.init_params(config, jax.random.PRNGKey(0),
+                                    num_feature_layers=len(feature_layers))['params']
   results = []
   for stored in (False, True):
     head = jax.tree_util.tree_map(jnp.array, start)
@@ -117,7 +130,7 @@ def test_a_step_on_a_stored_batch_equals_one_that_runs_the_target():
       batch = _stored_batch(store, batch) if stored else batch
       head, state, metrics = feature_training.train_step(
           head, state, batch, params, jax.random.PRNGKey(step), config=config,
-          target_config=TARGET, optimizer=optimizer, loss=loss)
+          target_config=TARGET, optimizer=optimizer, loss=loss, feature_layers=feature_layers)
     results.append((jax.device_get(head), float(metrics['loss'])))
   (computed, computed_loss), (stored, stored_loss) = results
   assert stored_loss == pytest.approx(computed_loss, rel=1e-4)

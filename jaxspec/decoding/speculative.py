@@ -349,7 +349,7 @@ def _iteration_of_rule(state: _LoopState, target_params, drafter_params, encoder
 
   logits, features, target_cache, positions = _verify(
       state, target_params, context, drafts, num_drafts, target_config, spec.verify_lengths,
-      drafter.reads_target_features)
+      drafter.reads_target_features, drafter.target_feature_layers)
   drafter_state = _observed(drafter, drafter_params, drafter_state, features, state.length)
   # [b, g+1, v]; the token-wise verdict at temperature 0 needs only the argmax.
   target_probs = None if _argmax_verdict(spec, sampling) else standardize(logits, sampling)
@@ -363,10 +363,11 @@ def _iteration_of_rule(state: _LoopState, target_params, drafter_params, encoder
 
 def _verify(state: _LoopState, target_params, context: DraftContext, drafts, num_drafts,
             target_config: T5Config, verify_lengths: tuple[int, ...] = (),
-            with_features: bool = False):
+            with_features: bool = False, feature_layers: tuple[int, ...] = ()):
   """The target's ONE decode step over x_length (the last committed token) and the
   drafts [b, g], at each row's offset -> (logits [b, g+1, v], the final hidden states
-  [b, g+1, e] with_features (else None), target cache, positions the step ran over []).
+  [b, g+1, e] with_features (else None; then feature_layers' outputs too: [b, g+1,
+  e (1 + n)]), target cache, positions the step ran over []).
 
   With verify_lengths the step runs over the shortest listed length k that holds
   x_length and the longest proposal among the decoding rows (num_drafts [b]), and the
@@ -386,6 +387,7 @@ def _verify(state: _LoopState, target_params, context: DraftContext, drafts, num
       with cpu_matmul.active_rows(needed_positions[:, :length]):
         logits, features, cache = T5(target_config).apply(
             target_params, verify_tokens[:, :length], target_cache,
+            feature_layers=feature_layers if with_features else (),
             method=T5.decode_with_features)
       pad = ((0, 0), (0, full - length), (0, 0))
       return jnp.pad(logits, pad), (jnp.pad(features, pad) if with_features else None), cache
@@ -428,7 +430,7 @@ def _coupled_iteration(state: _LoopState, target_params, drafter_params, encoder
   num_drafts = drafts_through_first(drafts == eos_id)  # [b]
   logits, features, target_cache, positions = _verify(
       state, target_params, context, drafts, num_drafts, target_config, spec.verify_lengths,
-      drafter.reads_target_features)
+      drafter.reads_target_features, drafter.target_feature_layers)
   drafter_state = _observed(drafter, drafter_params, drafter_state, features, state.length)
   vocab = logits.shape[-1]
   if sampling.is_greedy:
@@ -466,8 +468,8 @@ def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, enc
   target_cache = rollback(state.target_cache, state.length)
   tree_logits, tree_features, target_cache = T5(target_config).apply(
       target_params, tree_tokens, target_cache,
-      multi_draft.tree_layout(num_branches, gamma),
-      method=T5.decode_with_features)  # [b, t, v], [b, t, e]
+      multi_draft.tree_layout(num_branches, gamma), drafter.target_feature_layers,
+      method=T5.decode_with_features)  # [b, t, v], [b, t, e (1 + n)]
   logits = multi_draft.branch_values(tree_logits, num_branches, gamma)  # [b, k, g+1, v]
   if sampling.is_greedy:
     target_probs = None
@@ -478,7 +480,7 @@ def _multi_draft_iteration(state: _LoopState, target_params, drafter_params, enc
   branch = verdict.branch  # [b]
   target_cache = multi_draft.compact_branch(target_cache, state.length, branch, gamma)
   drafter_state = multi_draft.select_branch_state(branch_state, branch, num_branches)
-  if drafter.reads_target_features:  # [b, g+1, e] along the chosen branch's path
+  if drafter.reads_target_features:  # [b, g+1, e (1 + n)] along the chosen branch's path
     features = multi_draft.select_branch(
         multi_draft.branch_values(tree_features, num_branches, gamma), branch)
     drafter_state = _observed(drafter, drafter_params, drafter_state, features, state.length)

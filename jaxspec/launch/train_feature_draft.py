@@ -18,6 +18,9 @@ inputs-only corpus (jaxspec.data.corpora.INPUTS_ONLY, such as `ende_inputs`) who
 join the training set with the target's greedy outputs as their targets (decoded, cached
 and stored apart from the corpus's own, so adding them reuses what a run already has).
 `init_checkpoint` starts a new run from a trained head instead of the target's last layer.
+`feature_layers` (EAGLE-3's fused features) has the head read those target decoder layers'
+outputs beside h; a head trained on h alone starts such a run unchanged (its new `fuse`
+rows zero), and the stores of features are kept apart by their layers.
 
 Validation reports the head's argmax agreement with the target on the target's own greedy
 outputs for the validation inputs: pass 0 is alpha at temperature 0 of a proposal's
@@ -46,13 +49,14 @@ from jaxspec.data import corpora
 from jaxspec.model import feature_draft
 
 
-def _agreement(params, batches, target_params, *, config, target_model, unroll):
+def _agreement(params, batches, target_params, *, config, target_model, unroll,
+               feature_layers=()):
   """Argmax agreement with the target per pass over `batches`."""
   agree, count = np.zeros(unroll), 0.0
   for batch in batches:
     batch_agree, batch_count = feature_training.eval_step(
         params, batch, target_params, config=config, target_config=target_model,
-        unroll=unroll)
+        unroll=unroll, feature_layers=feature_layers)
     agree, count = agree + np.asarray(batch_agree), count + float(batch_count)
   return agree / max(count, 1.0)
 
@@ -77,7 +81,7 @@ def train_feature_draft(
     max_train_examples: int | None = None, sequence_kd: bool = False,
     sequence_kd_cache_dir: str | None = None, feature_store_dir: str | None = None,
     extra_inputs: str | None = None, init_checkpoint: str | None = None,
-    length_quantum: int = training.LENGTH_QUANTUM):
+    feature_layers: tuple[int, ...] = (), length_quantum: int = training.LENGTH_QUANTUM):
   """Trains a head of `num_layers` decoder layers over the frozen target.
 
   init_from_target: start from the target's last decoder layer, relative position bias
@@ -87,7 +91,10 @@ def train_feature_draft(
   docstring); None runs the target in every step.
   extra_inputs: an inputs-only corpus added to the training inputs (needs sequence_kd).
   init_checkpoint: a head checkpoint (directory) a run without checkpoints starts from.
+  feature_layers: target decoder layers (0-based) whose outputs the head reads beside h.
   """
+  feature_layers = tuple(feature_layers)
+  feature_draft.check_feature_layers(feature_layers, target_model)
   if extra_inputs and not sequence_kd:
     raise errors.InvalidSetting(
         f'train_feature_draft.extra_inputs ({extra_inputs!r}) has no references: its '
@@ -122,7 +129,7 @@ def train_feature_draft(
   if feature_store_dir:
     store = target_features.concatenate([
         target_features.cached(feature_store_dir, target_params, target_model, part,
-                               batch_size, length_quantum)
+                               batch_size, length_quantum, feature_layers)
         for part in parts])
   eval_batches = training.epoch_batches(
       _greedy_pairs(eval_pairs, target_params, target_model, target_length, length_quantum),
@@ -131,15 +138,19 @@ def train_feature_draft(
   if init_from_target:
     params = feature_draft.from_target(target_params, config, jax.random.PRNGKey(seed))
   else:
-    params = feature_draft.init_params(config, jax.random.PRNGKey(seed))
+    params = feature_draft.init_params(config, jax.random.PRNGKey(seed),
+                                       num_feature_layers=len(feature_layers))
+  params = feature_draft.with_feature_layers(params, config, len(feature_layers))
   params = jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True), params['params'])
-  head_checkpoints.check_params(params, config)
+  head_checkpoints.check_params(params, config, len(feature_layers))
   if init_checkpoint and not train_script.latest_step(checkpoint_dir):
-    params = jax.device_put(head_checkpoints.load(init_checkpoint, config))
+    params = jax.device_put(head_checkpoints.load_widened(init_checkpoint, config,
+                                                          len(feature_layers)))
     print(f'initialized from {init_checkpoint}', flush=True)
   params, opt_state, start = train_script.resume(
       checkpoint_dir, params, tx.init(params),
-      lambda: head_checkpoints.load(checkpoint_dir, config))
+      lambda: head_checkpoints.load(checkpoint_dir, config,
+                                    num_feature_layers=len(feature_layers)))
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
   print(f'{n_params / 1e6:.2f}M head parameters ({num_layers} layer(s) of width '
         f'{config.emb_dim}) over the frozen target, {len(train_pairs)} training examples, '
@@ -157,7 +168,7 @@ def train_feature_draft(
     rng = training.dropout_key(seed, step)
     params, opt_state, metrics = feature_training.train_step(
         params, opt_state, batch, target_params, rng, config=config,
-        target_config=target_model, optimizer=tx, loss=loss)
+        target_config=target_model, optimizer=tx, loss=loss, feature_layers=feature_layers)
     window_tokens += float(np.sum(batch['targets'] > 0))
     done = step + 1
     if done % log_every == 0 or done == num_steps:
@@ -171,7 +182,8 @@ def train_feature_draft(
       started, window_tokens = time.time(), 0.0
     if done % eval_every == 0 or done == num_steps:
       agreement = _agreement(params, eval_batches, target_params, config=config,
-                             target_model=target_model, unroll=max(loss.unroll, 3))
+                             target_model=target_model, unroll=max(loss.unroll, 3),
+                             feature_layers=feature_layers)
       print(f"step {done} validation: argmax agreement on the target's greedy outputs by "
             f'draft step {" ".join(f"{a:.4f}" for a in agreement)}', flush=True)
     if done % checkpoint_every == 0 or done == num_steps:

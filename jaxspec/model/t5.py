@@ -8,7 +8,8 @@ Entry points (call with `T5(config).apply(params, ..., method=...)`):
   init_cache(encoded, encoder_tokens, max_length) -> DecoderCache (cross K/V computed once)
   decode(decoder_tokens [b, k], cache)           -> logits [b, k, v], cache
   decode(decoder_tokens [b, k], cache, tree)     -> the same for a token tree (DecodeTree)
-  decode_with_features(decoder_tokens, cache[, tree]) -> logits, features [b, k, e], cache
+  decode_with_features(decoder_tokens, cache[, tree, feature_layers]) -> logits, features
+    [b, k, e] (or [b, k, e * (1 + len(feature_layers))] with layers' outputs), cache
   logits_from_features(features [b, k, e])       -> logits [b, k, v] (the LM head alone)
   embed(tokens [b, k])                           -> the token embeddings [b, k, e]
   __call__(encoder_tokens, decoder_input_tokens) -> logits [b, t, v] (teacher forcing)
@@ -182,10 +183,12 @@ class Decoder(nn.Module):
                         end_index=jnp.zeros((batch,), jnp.int32))
 
   def __call__(self, decoder_tokens, cache: DecoderCache, tree: DecodeTree | None = None,
-               with_features: bool = False):
+               with_features: bool = False, feature_layers: tuple[int, ...] = ()):
     """decoder_tokens [b, t] -> logits [b, t, v] float32, updated cache; with_features:
     logits, the final hidden states [b, t, e] (after the final layer norm: what the
-    logits are a product of), cache.
+    logits are a product of), cache. feature_layers (with_features): the outputs of these
+    decoder layers (0-based), each RMS-normalized without a scale (layer_feature), follow
+    the final hidden states along the last axis: features [b, t, e * (1 + n)].
 
     tree: the new tokens form a DecodeTree (positions by depth, ancestor mask) instead
     of a sequence; they are still written at slots end_index + 0..t-1.
@@ -202,19 +205,24 @@ class Decoder(nn.Module):
     with cpu_matmul.decode_step():
       if tree is None and num_new < width:
         padded = jnp.pad(decoder_tokens, ((0, 0), (0, width - num_new)))  # [b, w]
-        logits, features, new_cache = self._step(padded, cache, None)
+        logits, features, new_cache = self._step(padded, cache, None, feature_layers)
         logits, features = logits[:, :num_new], features[:, :num_new]
         new_cache = new_cache.replace(end_index=cache.end_index + num_new)
       else:
-        logits, features, new_cache = self._step(decoder_tokens, cache, tree)
+        logits, features, new_cache = self._step(decoder_tokens, cache, tree, feature_layers)
     return (logits, features, new_cache) if with_features else (logits, new_cache)
 
-  def _step(self, decoder_tokens, cache: DecoderCache, tree: DecodeTree | None):
-    """-> logits [b, t, v], final hidden states [b, t, e], cache."""
+  def _step(self, decoder_tokens, cache: DecoderCache, tree: DecodeTree | None,
+            feature_layers: tuple[int, ...] = ()):
+    """-> logits [b, t, v], features [b, t, e * (1 + len(feature_layers))] (the final
+    hidden states, then the listed layers' outputs), cache."""
     x = self.dropout(constrain(self.embedder(decoder_tokens), EMBED_AXES, self.role))
-    x, new_cache = decoder_layers(self.layers, self.relpos_bias, x, cache, tree)
+    x, new_cache, outputs = decoder_layers(self.layers, self.relpos_bias, x, cache, tree,
+                                           outputs_of=feature_layers)
     x = self.dropout(self.decoder_norm(x))
-    return self.logits(x), x, new_cache
+    features = jnp.concatenate([x, *(layer_feature(y).astype(x.dtype) for y in outputs)],
+                               axis=-1)
+    return self.logits(x), features, new_cache
 
   def logits(self, features):
     """features [b, t, e] (after the final layer norm) -> logits [b, t, v] float32."""
@@ -225,11 +233,21 @@ class Decoder(nn.Module):
     return constrain(logits, VOCAB_AXES, self.role)
 
 
+def layer_feature(x):
+  """A decoder layer's output [..., e] as a drafter reads it: RMS-normalized, no scale
+  (the residual stream's size grows with depth; the reader's projection scales it): the
+  target's final norm without its scale, the same bit for bit at any step width."""
+  x = x.astype(jnp.float32)
+  variance = layers.pairwise_sum(jnp.square(x)) / x.shape[-1]  # [..., 1]
+  return x * jax.lax.rsqrt(variance + layers.LAYER_NORM_EPSILON)
+
+
 def decoder_layers(layer_modules, relpos_bias, x, cache: DecoderCache,
-                   tree: DecodeTree | None = None):
+                   tree: DecodeTree | None = None, outputs_of: tuple[int, ...] = ()):
   """x [b, t, e] through decoder layers at slots cache.end_index + 0..t-1 (causal, or a
   DecodeTree) -> x [b, t, e], the cache with each layer's keys/values written and its end
-  advanced by t. relpos_bias: the decoder's RelativePositionBias module."""
+  advanced by t, and the outputs [b, t, e] of the layers listed in outputs_of (0-based,
+  in that order; () by default). relpos_bias: the decoder's RelativePositionBias module."""
   num_new = x.shape[1]
   write_positions = cache.end_index[:, None] + jnp.arange(num_new)[None, :]  # [b, t]
   if tree is None:
@@ -247,11 +265,13 @@ def decoder_layers(layer_modules, relpos_bias, x, cache: DecoderCache,
   cross_bias = layers.attention_bias_from_mask(
       jnp.broadcast_to(cache.encoder_mask[:, None, :],
                        (cache.batch_size, num_new, cache.encoder_mask.shape[1])))
-  new_layer_caches = []
-  for layer, layer_cache in zip(layer_modules, cache.layers):
+  new_layer_caches, outputs = [], {}
+  for index, (layer, layer_cache) in enumerate(zip(layer_modules, cache.layers)):
     x, layer_cache = layer(x, layer_cache, write_positions, self_bias, cross_bias)
     new_layer_caches.append(layer_cache)
-  return x, cache.replace(layers=tuple(new_layer_caches), end_index=cache.end_index + num_new)
+    outputs[index] = x
+  return (x, cache.replace(layers=tuple(new_layer_caches), end_index=cache.end_index + num_new),
+          tuple(outputs[i] for i in outputs_of))
 
 
 class T5(nn.Module):
@@ -285,10 +305,13 @@ class T5(nn.Module):
     return self.decoder(decoder_tokens, cache, tree)
 
   def decode_with_features(self, decoder_tokens, cache: DecoderCache,
-                           tree: DecodeTree | None = None):
+                           tree: DecodeTree | None = None, feature_layers: tuple[int, ...] = ()):
     """As decode -> logits [b, k, v], the final hidden states [b, k, e] the logits are
-    computed from (after the final layer norm), cache."""
-    return self.decoder(decoder_tokens, cache, tree, with_features=True)
+    computed from (after the final layer norm), cache. feature_layers: decoder layers
+    (0-based) whose outputs (layer_feature) follow the final states: features
+    [b, k, e * (1 + len(feature_layers))]."""
+    return self.decoder(decoder_tokens, cache, tree, with_features=True,
+                        feature_layers=tuple(feature_layers))
 
   def logits_from_features(self, features):
     """features [b, k, e] (final hidden states) -> logits [b, k, v]: the LM head alone

@@ -16,6 +16,11 @@ predicted h_{j-1} instead of the target's), as later draft steps of a proposal d
 every pass's loss counts; `feature_noise` adds uniform noise of that half-width to the
 target features the first pass reads. Only the head's parameters are updated; the
 target's embedding and LM head are frozen.
+
+With `feature_layers` (EAGLE-3's fused features) the target also gives those decoder
+layers' outputs (jaxspec.model.t5.layer_feature) after h; the head's first pass reads
+them, its later passes read zeros there (as draft steps reading a prediction do), and the
+regression is of h alone.
 """
 
 from __future__ import annotations
@@ -49,26 +54,35 @@ class FeatureLossConfig:
       raise InvalidSetting(f'feature_noise must be >= 0, got {self.feature_noise}')
 
 
-def target_features(target_params, batch, *, target_config: T5Config):
-  """The frozen target on a batch, teacher forced: (features [b, t, e] after its final
-  norm, logits [b, t, v], its DecoderCache for the head's cross-attention), all under
-  stop_gradient."""
+def target_features(target_params, batch, *, target_config: T5Config,
+                    feature_layers: tuple[int, ...] = ()):
+  """The frozen target on a batch, teacher forced: (features [b, t, e (1 + n)]: h after its
+  final norm, then feature_layers' outputs; logits [b, t, v]; its DecoderCache for the
+  head's cross-attention), all under stop_gradient."""
   model = T5(target_config)
   encoded = model.apply(target_params, batch['inputs'], method=T5.encode)
   cache = model.apply(target_params, encoded, batch['inputs'],
                       batch['decoder_inputs'].shape[1], method=T5.init_cache)
   logits, features, cache = model.apply(target_params, batch['decoder_inputs'], cache,
+                                        feature_layers=feature_layers,
                                         method=T5.decode_with_features)
   return jax.lax.stop_gradient((features, logits, cache))
 
 
-def stored_target_features(target_params, batch, *, target_config: T5Config):
+def stored_target_features(target_params, batch, *, target_config: T5Config,
+                           feature_layers: tuple[int, ...] = ()):
   """As target_features, from what jaxspec.training.target_features stored for the batch
-  ('target_features' [b, t, e], the last layer's 'cross_keys'/'cross_values' [b, h, d, s]):
+  ('target_features' [b, t, e (1 + n)], stored with these feature_layers; the last
+  layer's 'cross_keys'/'cross_values' [b, h, d, s]):
   only the LM head runs (the logits), and the cache holds just that last layer, all the
   head reads of it."""
   features = batch['target_features']
-  logits = T5(target_config).apply(target_params, features, method=T5.logits_from_features)
+  width = target_config.emb_dim * (1 + len(feature_layers))
+  if features.shape[-1] != width:
+    raise ValueError(f'stored target features of width {features.shape[-1]}, the head reads '
+                     f'{width} (feature_layers {feature_layers})')
+  logits = T5(target_config).apply(target_params, features[..., :target_config.emb_dim],
+                                   method=T5.logits_from_features)
   keys = batch['cross_keys']
   empty = jnp.zeros(keys.shape[:3] + (0,), keys.dtype)  # [b, h, d, 0]: no decoder slots
   cache = DecoderCache(
@@ -79,13 +93,15 @@ def stored_target_features(target_params, batch, *, target_config: T5Config):
 
 
 def head_passes(head_params, target_params, features, target_cache, decoder_inputs, *,
-                config: T5Config, target_config: T5Config, unroll: int, noise=None):
+                config: T5Config, target_config: T5Config, unroll: int, noise=None,
+                num_feature_layers: int = 0):
   """The head teacher forced, `unroll` passes -> predicted features [unroll, b, t, e].
 
-  Pass 0 reads the target's features shifted by one slot (plus `noise` [b, t, e] when
-  given); pass k reads pass k-1's predictions, shifted alike."""
+  Pass 0 reads the target's features [b, t, e (1 + n)] shifted by one slot (plus `noise`
+  of their shape when given); pass k reads pass k-1's predictions [b, t, e], shifted
+  alike (zeros for the n layers' outputs)."""
   embeddings = T5(target_config).apply(target_params, decoder_inputs, method=T5.embed)
-  head = feature_draft.FeatureDraft(config)
+  head = feature_draft.FeatureDraft(config, num_feature_layers=num_feature_layers)
   length = decoder_inputs.shape[1]
   read = features if noise is None else features + noise
   passes = []
@@ -107,10 +123,12 @@ def _draft_logits(target_params, predicted, target_config: T5Config):
 
 
 def head_losses(predicted, features, target_logits, draft_logits, mask, loss: FeatureLossConfig):
-  """predicted [n, b, t, e], features [b, t, e], target_logits [b, t, v], draft_logits
-  [n, b, t, v], mask [b, t] -> (loss, regression, cross-entropy, agreement of argmaxes per
-  pass [n]), each averaged over the mask (summed over the passes for the loss)."""
+  """predicted [n, b, t, e], features [b, t, e] (h; wider: the first e), target_logits
+  [b, t, v], draft_logits [n, b, t, v], mask [b, t] -> (loss, regression, cross-entropy,
+  agreement of argmaxes per pass [n]), each averaged over the mask (summed over the
+  passes for the loss)."""
   count = jnp.maximum(jnp.sum(mask), 1.0)
+  features = features[..., :predicted.shape[-1]]
   regression = jnp.mean(optax.huber_loss(predicted, features[None]), axis=-1)  # [n, b, t]
   target_probs = jax.nn.softmax(target_logits, axis=-1)  # [b, t, v]
   cross_entropy = -jnp.sum(target_probs[None] * jax.nn.log_softmax(draft_logits, axis=-1),
@@ -121,32 +139,37 @@ def head_losses(predicted, features, target_logits, draft_logits, mask, loss: Fe
   return total, mean(regression), mean(cross_entropy), mean(agree.astype(jnp.float32))
 
 
-def _forward(head_params, target_params, batch, rng, *, config, target_config, loss):
+def _forward(head_params, target_params, batch, rng, *, config, target_config, loss,
+             feature_layers):
   of_target = stored_target_features if 'target_features' in batch else target_features
   features, target_logits, target_cache = of_target(target_params, batch,
-                                                    target_config=target_config)
+                                                    target_config=target_config,
+                                                    feature_layers=feature_layers)
   noise = None
   if loss.feature_noise > 0 and rng is not None:
     noise = jax.random.uniform(rng, features.shape, features.dtype, -loss.feature_noise,
                                loss.feature_noise)
   predicted = head_passes(head_params, target_params, features, target_cache,
                           batch['decoder_inputs'], config=config, target_config=target_config,
-                          unroll=loss.unroll, noise=noise)
+                          unroll=loss.unroll, noise=noise,
+                          num_feature_layers=len(feature_layers))
   draft_logits = _draft_logits(target_params, predicted, target_config)
   mask = (batch['targets'] > 0).astype(jnp.float32)
   return head_losses(predicted, features, target_logits, draft_logits, mask, loss)
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'target_config', 'optimizer', 'loss'),
+@functools.partial(jax.jit, static_argnames=('config', 'target_config', 'optimizer', 'loss',
+                                             'feature_layers'),
                    donate_argnums=(0, 1))
 def train_step(head_params, opt_state, batch, target_params, rng, *, config: T5Config,
                target_config: T5Config, optimizer: optax.GradientTransformation,
-               loss: FeatureLossConfig):
+               loss: FeatureLossConfig, feature_layers: tuple[int, ...] = ()):
   """One optimizer step of the head's params tree (without the collection key); -> (params, opt_state,
   metrics: loss, feature regression, cross-entropy and argmax agreement per pass)."""
   def loss_fn(p):
     total, regression, cross_entropy, agree = _forward(
-        p, target_params, batch, rng, config=config, target_config=target_config, loss=loss)
+        p, target_params, batch, rng, config=config, target_config=target_config, loss=loss,
+        feature_layers=feature_layers)
     return total, (regression, cross_entropy, agree)
 
   (total, (regression, cross_entropy, agree)), grads = jax.value_and_grad(
@@ -158,17 +181,19 @@ def train_step(head_params, opt_state, batch, target_params, rng, *, config: T5C
   return head_params, opt_state, metrics
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'target_config', 'unroll'))
+@functools.partial(jax.jit, static_argnames=('config', 'target_config', 'unroll',
+                                             'feature_layers'))
 def eval_step(head_params, batch, target_params, *, config: T5Config, target_config: T5Config,
-              unroll: int = 2):
+              unroll: int = 2, feature_layers: tuple[int, ...] = ()):
   """Argmax agreement with the target summed per pass [unroll] and the token count: on the
   target's own greedy outputs, pass 0's agreement is alpha at temperature 0 of a first
   draft, pass k's that of a draft k steps into a proposal (reading k predicted features)."""
   features, target_logits, target_cache = target_features(target_params, batch,
-                                                          target_config=target_config)
+                                                          target_config=target_config,
+                                                          feature_layers=feature_layers)
   predicted = head_passes(head_params, target_params, features, target_cache,
                           batch['decoder_inputs'], config=config, target_config=target_config,
-                          unroll=unroll)
+                          unroll=unroll, num_feature_layers=len(feature_layers))
   draft_logits = _draft_logits(target_params, predicted, target_config)
   mask = batch['targets'] > 0
   agree = (jnp.argmax(draft_logits, axis=-1) == jnp.argmax(target_logits, axis=-1)[None]) & mask

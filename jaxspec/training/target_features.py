@@ -2,7 +2,8 @@
 
 A feature head (jaxspec.model.feature_draft) trains against a target that never changes,
 so what the target computes for an example is the same at every epoch: its final hidden
-states h [t, e] teacher forced over the example's target tokens, and its last decoder
+states h [t, e] teacher forced over the example's target tokens (with `feature_layers`,
+the outputs of those decoder layers after h: [t, e (1 + n)]), and its last decoder
 layer's cross-attention keys/values [s, h, d] of the encoding (what the head attends to).
 `compute` runs the target once over every example (length-sorted batches, a few shapes);
 `batch` gathers the rows of a training batch, padded to the batch's widths, in the layout
@@ -12,7 +13,8 @@ at a small part of the target's cost.
 
 On disk (`save`/`load`) the store is one .npz of flat float32 arrays (rows of all examples
 end to end, with their end offsets) named by a fingerprint of the target's weights, its
-config and the token ids, so a changed target or corpus never reads a stale store.
+config, the token ids and the feature layers, so a changed target, corpus or head input
+never reads a stale store.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from jaxspec.training.core import LENGTH_QUANTUM, pad_batch
 @dataclasses.dataclass(frozen=True)
 class TargetFeatures:
   """Per-example target products, rows of all examples end to end."""
-  features: np.ndarray  # [sum of target lengths, e] float32, h after the final norm
+  # [sum of target lengths, e (1 + n)] float32: h after the final norm, then the
+  # feature layers' outputs
+  features: np.ndarray
   cross_keys: np.ndarray  # [sum of input lengths, h, d] float32, the last layer's
   cross_values: np.ndarray  # [sum of input lengths, h, d] float32
   target_ends: np.ndarray  # [n] int64, end offset of example i's rows in `features`
@@ -45,7 +49,7 @@ class TargetFeatures:
   def __len__(self) -> int:
     return len(self.target_ends)
 
-  def target_rows(self, index: int) -> np.ndarray:  # [t_i, e]
+  def target_rows(self, index: int) -> np.ndarray:  # [t_i, e (1 + n)]
     start = self.target_ends[index - 1] if index else 0
     return self.features[start:self.target_ends[index]]
 
@@ -54,22 +58,26 @@ class TargetFeatures:
     return array[start:self.input_ends[index]]
 
 
-@functools.partial(jax.jit, static_argnames=('target_config',))
-def _pass(target_params, inputs, decoder_inputs, *, target_config: T5Config):
+@functools.partial(jax.jit, static_argnames=('target_config', 'feature_layers'))
+def _pass(target_params, inputs, decoder_inputs, *, target_config: T5Config,
+          feature_layers: tuple[int, ...]):
   model = T5(target_config)
   encoded = model.apply(target_params, inputs, method=T5.encode)
   cache = model.apply(target_params, encoded, inputs, decoder_inputs.shape[1],
                       method=T5.init_cache)
   _, features, cache = model.apply(target_params, decoder_inputs, cache,
+                                   feature_layers=feature_layers,
                                    method=T5.decode_with_features)
   last = cache.layers[-1]
-  return features, last.cross_keys, last.cross_values  # [b, t, e], [b, h, d, s] x 2
+  return features, last.cross_keys, last.cross_values  # [b, t, e (1 + n)], [b, h, d, s] x 2
 
 
 def compute(target_params, target_config: T5Config,
             pairs: Sequence[tuple[list[int], list[int]]], batch_size: int = 64,
-            quantum: int = LENGTH_QUANTUM) -> TargetFeatures:
-  """The target (params: {'params': tree}) over every (input ids, target ids) pair."""
+            quantum: int = LENGTH_QUANTUM,
+            feature_layers: tuple[int, ...] = ()) -> TargetFeatures:
+  """The target (params: {'params': tree}) over every (input ids, target ids) pair; with
+  feature_layers, those decoder layers' outputs follow h in each row."""
   order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][1]), len(pairs[i][0])))
   features = [None] * len(pairs)
   cross = [None] * len(pairs)
@@ -77,7 +85,8 @@ def compute(target_params, target_config: T5Config,
     rows = order[start:start + batch_size]
     batch = pad_batch([pairs[i] for i in rows], quantum)
     out = jax.device_get(_pass(target_params, batch['inputs'], batch['decoder_inputs'],
-                               target_config=target_config))
+                               target_config=target_config,
+                               feature_layers=tuple(feature_layers)))
     batch_features, keys, values = out
     for slot, index in enumerate(rows):
       length, width = len(pairs[index][1]), len(pairs[index][0])
@@ -94,7 +103,7 @@ def compute(target_params, target_config: T5Config,
 
 def batch(store: TargetFeatures, example_ids: np.ndarray, target_width: int,
           input_width: int) -> dict[str, np.ndarray]:
-  """The stored rows of example_ids [b], zero-padded: {'target_features' [b, t, e],
+  """The stored rows of example_ids [b], zero-padded: {'target_features' [b, t, e (1 + n)],
   'cross_keys', 'cross_values' [b, h, d, s]} (the cache's layout)."""
   features = np.zeros((len(example_ids), target_width, store.features.shape[1]), np.float32)
   keys = np.zeros((len(example_ids), input_width) + store.cross_keys.shape[1:], np.float32)
@@ -128,10 +137,14 @@ def concatenate(stores: Sequence[TargetFeatures]) -> TargetFeatures:
 
 
 def store_path(directory: str, target_params, target_config: T5Config,
-               pairs: Sequence[tuple[list[int], list[int]]]) -> str:
-  """Where the store of these pairs under this target lives in `directory`."""
-  key = distillation.teacher_fingerprint(target_params, target_config,
-                                         json.dumps([list(p) for p in pairs]))
+               pairs: Sequence[tuple[list[int], list[int]]],
+               feature_layers: tuple[int, ...] = ()) -> str:
+  """Where the store of these pairs under this target (and feature layers) lives in
+  `directory`."""
+  details = [json.dumps([list(p) for p in pairs])]
+  if feature_layers:  # h alone keeps the key it always had
+    details.append(f'feature_layers={list(feature_layers)}')
+  key = distillation.teacher_fingerprint(target_params, target_config, *details)
   return os.path.join(directory, f'target_features_{key[:24]}.npz')
 
 
@@ -150,15 +163,16 @@ def load(path: str) -> TargetFeatures:
 
 def cached(directory: str, target_params, target_config: T5Config,
            pairs: Sequence[tuple[list[int], list[int]]], batch_size: int = 64,
-           quantum: int = LENGTH_QUANTUM) -> TargetFeatures:
-  """The store of `pairs`, read from `directory` when a run already computed it, else
-  computed and written there."""
-  path = store_path(directory, target_params, target_config, pairs)
+           quantum: int = LENGTH_QUANTUM,
+           feature_layers: tuple[int, ...] = ()) -> TargetFeatures:
+  """The store of `pairs` (with feature_layers' outputs), read from `directory` when a
+  run already computed it, else computed and written there."""
+  path = store_path(directory, target_params, target_config, pairs, feature_layers)
   if os.path.exists(path):
     print(f"the target's features read from {path}", flush=True)
     return load(path)
   started = time.time()
-  store = compute(target_params, target_config, pairs, batch_size, quantum)
+  store = compute(target_params, target_config, pairs, batch_size, quantum, feature_layers)
   print(f"the target's features for {len(store)} examples in {time.time() - started:.0f} s "
         f'({os.path.basename(path)})', flush=True)
   os.makedirs(directory, exist_ok=True)

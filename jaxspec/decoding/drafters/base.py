@@ -147,6 +147,9 @@ class Drafter(abc.ABC):
   proposes_top_branches: ClassVar[bool] = False
   # observe_target_features reads the target's final hidden states of each verify step.
   reads_target_features: ClassVar[bool] = False
+  # The target decoder layers whose outputs the verify step hands observe_target_features
+  # beside the final hidden states (jaxspec.model.T5.decode_with_features); () for h alone.
+  target_feature_layers: ClassVar[tuple[int, ...]] = ()
 
   # The vocabulary drafts are drawn from (the target's): a dataclass field or a property.
   vocab_size: int
@@ -226,8 +229,8 @@ class Drafter(abc.ABC):
     return state
 
   def observe_target_features(self, params, state, features, start):
-    """The state once it has the target's final hidden states features [b, k, e] of the
-    verify step just run, at positions start[b] + 0..k-1 (start: the committed length
+    """The state once it has the target's final hidden states features [b, k, e] (then
+    the outputs of target_feature_layers: [b, k, e (1 + n)]) of the verify step just run, at positions start[b] + 0..k-1 (start: the committed length
     that step verified from). Only where `reads_target_features`. Default: unchanged."""
     del params, features, start
     return state

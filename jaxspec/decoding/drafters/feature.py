@@ -22,6 +22,10 @@ Slots past the next committed length hold features of rejected drafts until a la
 verify step rewrites them; they are only ever read past `length`, by window slots whose
 outputs are dropped.
 
+With `feature_layers` (EAGLE-3's fused features) the verify step also returns those target
+decoder layers' outputs (jaxspec.model.t5.layer_feature) beside h, and slot j reads them
+of slot j - 1 too; draft steps reading a predicted feature read zeros there.
+
 The head's cross-attention keys/values are the target's last decoder layer's, shared from
 the target's cache; its token embeddings and LM head are the target's (params['target']),
 so the head adds only its own layers (params['head']). Exact as every drafter: the target
@@ -58,8 +62,9 @@ WEIGHTS = ('float32', 'int8')
 class FeatureDraftState:
   """The drafter's state inside speculative decoding."""
   cache: DecoderCache  # the head's; end_index is the slot its next step writes
-  # [b, L, e] the target's feature each slot reads: h_{j-1} at slot j (0 at slot 0), where
-  # a verify step computed it (stale past the committed length).
+  # [b, L, e (1 + n)] the target's features each slot reads: h_{j-1} at slot j (0 at slot
+  # 0), then n layers' outputs, where a verify step computed them (stale past the
+  # committed length).
   slot_features: jax.Array
   caught_up: jax.Array  # [b] int32: slots before it were read with the target's features
   last_feature: jax.Array  # [b, e] the head's latest predicted feature (within a proposal)
@@ -85,10 +90,13 @@ class FeatureDrafter(Drafter):
   few-row kernel: a draft step then reads a quarter of the bytes; exactness is the
   verifier's either way). params: {'head': {'params'}, 'target': target_head_params(...)}
   (`load_params`, or `make_params(head_params, target_params, weights)`).
+  feature_layers: the target decoder layers (0-based) whose outputs the head reads beside
+  h (module docstring); as the head was trained.
   """
   config: T5Config
   num_layers: int = 1
   weights: str = 'float32'
+  feature_layers: tuple[int, ...] = ()
 
   shares_target_cache = True  # init_state_for_decode reads the target's cross cache.
   reads_target_features = True  # observe_target_features keeps the verify steps' h.
@@ -100,6 +108,12 @@ class FeatureDrafter(Drafter):
                        f'{self.num_layers}')
     if self.weights not in WEIGHTS:
       raise InvalidSetting(f'a feature draft head has weights in {WEIGHTS}, got {self.weights!r}')
+    feature_draft.check_feature_layers(tuple(self.feature_layers), self.config)
+    object.__setattr__(self, 'feature_layers', tuple(self.feature_layers))
+
+  @property
+  def target_feature_layers(self) -> tuple[int, ...]:
+    return self.feature_layers
 
   @property
   def vocab_size(self) -> int:
@@ -128,8 +142,8 @@ class FeatureDrafter(Drafter):
     if sources.target_params is None:
       raise InvalidSetting("a feature draft head drafts through the target's LM head: it needs "
                        "the target's params")
-    head = head_checkpoints.load(checkpoint, self.head_config,
-                                 dtype=self.config.param_dtype)
+    head = head_checkpoints.load(checkpoint, self.head_config, dtype=self.config.param_dtype,
+                                 num_feature_layers=len(self.feature_layers))
     params = self.make_params(head, jax.device_get(sources.target_params), self.weights)
     return sources.replicated(params) if sources.partitioner else jax.device_put(params)
 
@@ -147,15 +161,16 @@ class FeatureDrafter(Drafter):
       return self.init_state(None, None, max_length)
     batch = target_cache.batch_size
     width = self.config.emb_dim
+    read = width * (1 + len(self.feature_layers))
     return FeatureDraftState(
         cache=feature_draft.init_cache(self.head_config, target_cache, max_length),
-        slot_features=jnp.zeros((batch, max_length, width), target_encoded.dtype),
+        slot_features=jnp.zeros((batch, max_length, read), target_encoded.dtype),
         caught_up=jnp.zeros((batch,), jnp.int32),
         last_feature=jnp.zeros((batch, width), target_encoded.dtype))
 
   def observe_target_features(self, params, state: FeatureDraftState, features, start):
-    """features [b, k, e]: the target's at slots start[b] + 0..k-1 of its verify step;
-    slot start + i + 1 reads the i-th."""
+    """features [b, k, e (1 + n)]: the target's at slots start[b] + 0..k-1 of its verify
+    step (h, then the feature_layers' outputs); slot start + i + 1 reads the i-th."""
     del params
     rows = jnp.arange(features.shape[0])[:, None]
     slots = start[:, None] + 1 + jnp.arange(features.shape[1])[None, :]  # [b, k]
@@ -191,13 +206,14 @@ class FeatureDrafter(Drafter):
   # The head's steps.
 
   def _head(self, params, features, tokens, cache: DecoderCache):
-    """features [b, t, e], tokens [b, t] at slots cache.end_index + 0..t-1 -> predicted
-    features [b, t, e], cache."""
+    """features [b, t, e (1 + n)] or [b, t, e] (predicted), tokens [b, t] at slots
+    cache.end_index + 0..t-1 -> predicted features [b, t, e], cache."""
     target = T5(self.config, role=DRAFT)
     with cpu_matmul.decode_step():
       embeddings = target.apply(params['target'], tokens, method=T5.embed)
-      return feature_draft.FeatureDraft(self.head_config).apply(
-          params['head'], features, embeddings, cache)
+      return feature_draft.FeatureDraft(
+          self.head_config, num_feature_layers=len(self.feature_layers)).apply(
+              params['head'], features, embeddings, cache)
 
   def _logits(self, params, features):
     """features [b, t, e] -> logits [b, t, v] through the target's LM head."""
