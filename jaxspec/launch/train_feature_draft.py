@@ -90,6 +90,8 @@ def train_feature_draft(
   feature_store_dir: compute the target's features once and keep them there (module
   docstring); None runs the target in every step.
   extra_inputs: an inputs-only corpus added to the training inputs (needs sequence_kd).
+  max_train_examples: the first this many examples of each part (the corpus's training
+  split, and extra_inputs') where set; None: all.
   init_checkpoint: a head checkpoint (directory) a run without checkpoints starts from.
   feature_layers: target decoder layers (0-based) whose outputs the head reads beside h.
   """
