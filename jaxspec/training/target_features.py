@@ -49,13 +49,30 @@ class TargetFeatures:
   def __len__(self) -> int:
     return len(self.target_ends)
 
-  def target_rows(self, index: int) -> np.ndarray:  # [t_i, e (1 + n)]
+  def rows(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Example `index`'s features [t_i, e (1 + n)], cross keys and values [s_i, h, d]."""
     start = self.target_ends[index - 1] if index else 0
-    return self.features[start:self.target_ends[index]]
+    first = self.input_ends[index - 1] if index else 0
+    end = self.input_ends[index]
+    return (self.features[start:self.target_ends[index]], self.cross_keys[first:end],
+            self.cross_values[first:end])
 
-  def input_rows(self, array: np.ndarray, index: int) -> np.ndarray:  # [s_i, h, d]
-    start = self.input_ends[index - 1] if index else 0
-    return array[start:self.input_ends[index]]
+
+@dataclasses.dataclass(frozen=True)
+class JoinedFeatures:
+  """Stores of a training set's parts read as one, end to end, without copying them
+  (example i of the second part is len(first) + i)."""
+  parts: tuple[TargetFeatures, ...]
+
+  def __len__(self) -> int:
+    return sum(len(part) for part in self.parts)
+
+  def rows(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    for part in self.parts:
+      if index < len(part):
+        return part.rows(index)
+      index -= len(part)
+    raise IndexError('example index past the joined stores')
 
 
 @functools.partial(jax.jit, static_argnames=('target_config', 'feature_layers'))
@@ -101,39 +118,27 @@ def compute(target_params, target_config: T5Config,
       input_ends=np.cumsum([len(s) for s, _ in pairs]))
 
 
-def batch(store: TargetFeatures, example_ids: np.ndarray, target_width: int,
-          input_width: int) -> dict[str, np.ndarray]:
+def batch(store: TargetFeatures | JoinedFeatures, example_ids: np.ndarray,
+          target_width: int, input_width: int) -> dict[str, np.ndarray]:
   """The stored rows of example_ids [b], zero-padded: {'target_features' [b, t, e (1 + n)],
   'cross_keys', 'cross_values' [b, h, d, s]} (the cache's layout)."""
-  features = np.zeros((len(example_ids), target_width, store.features.shape[1]), np.float32)
-  keys = np.zeros((len(example_ids), input_width) + store.cross_keys.shape[1:], np.float32)
+  examples = [store.rows(index) for index in example_ids]
+  features = np.zeros((len(example_ids), target_width, examples[0][0].shape[1]), np.float32)
+  keys = np.zeros((len(example_ids), input_width) + examples[0][1].shape[1:], np.float32)
   values = np.zeros_like(keys)
-  for slot, index in enumerate(example_ids):
-    rows = store.target_rows(index)
+  for slot, (rows, example_keys, example_values) in enumerate(examples):
     features[slot, :len(rows)] = rows
-    example_keys = store.input_rows(store.cross_keys, index)
     keys[slot, :len(example_keys)] = example_keys
-    values[slot, :len(example_keys)] = store.input_rows(store.cross_values, index)
+    values[slot, :len(example_values)] = example_values
   return {'target_features': features, 'cross_keys': keys.transpose(0, 2, 3, 1),
           'cross_values': values.transpose(0, 2, 3, 1)}
 
 
-def concatenate(stores: Sequence[TargetFeatures]) -> TargetFeatures:
-  """One store of every example of `stores`, in order (example i of the second store is
-  len(first) + i); a single store is returned as it is."""
-  if len(stores) == 1:
-    return stores[0]
-
-  def ends(name, rows):
-    offsets = np.cumsum([0] + [len(getattr(s, rows)) for s in stores[:-1]])
-    return np.concatenate([getattr(s, name) + offset for s, offset in zip(stores, offsets)])
-
-  return TargetFeatures(
-      features=np.concatenate([s.features for s in stores]),
-      cross_keys=np.concatenate([s.cross_keys for s in stores]),
-      cross_values=np.concatenate([s.cross_values for s in stores]),
-      target_ends=ends('target_ends', 'features'),
-      input_ends=ends('input_ends', 'cross_keys'))
+def concatenate(stores: Sequence[TargetFeatures]) -> TargetFeatures | JoinedFeatures:
+  """Every example of `stores` as one store, in order (example i of the second store is
+  len(first) + i), the parts' arrays shared, not copied (a store is gigabytes); a single
+  store is returned as it is."""
+  return stores[0] if len(stores) == 1 else JoinedFeatures(tuple(stores))
 
 
 def store_path(directory: str, target_params, target_config: T5Config,
