@@ -683,7 +683,8 @@ def test_fused_head_through_the_launchers(tiny_checkpoints):
                      r'got \(1,\)'):
     _train_head(tmp_path, 'wrong', 1, "train_feature_draft.feature_layers = (1,)\n")
   base = test_scripts._infer_config(tmp_path).replace(
-      "infer.drafter = @jaxspec.T5Drafter()\njaxspec.T5Drafter.config = @tiny_draft/jaxspec.T5Config()",
+      "infer.drafter = @jaxspec.T5Drafter()\n"
+      "jaxspec.T5Drafter.config = @tiny_draft/jaxspec.T5Config()",
       "infer.drafter = @jaxspec.FeatureDrafter()\n"
       "jaxspec.FeatureDrafter.config = @tiny_target/jaxspec.T5Config()\n")
   base = base.replace(f"infer.draft_checkpoint = '{tmp_path}/draft'",

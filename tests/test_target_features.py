@@ -3,8 +3,9 @@ training example and gathered per batch, against the target run in the step.
 
 - A batch's stored rows equal what the target computes on that batch (features, with the
   feature layers' outputs where asked, the last layer's cross keys/values, the logits the
-  LM head makes of them), in any row order and padding; the store survives its file; `cached` computes once and reads back after;
-  stores of a set's parts, concatenated, read as the store of the whole set.
+  LM head makes of them), in any row order and padding; the store survives its file;
+  `cached` computes once and reads back after; stores of a set's parts, joined, read as
+  the store of the whole set.
 - A training step on a stored batch moves the head exactly as one that runs the target.
 - epoch_batches names each batch's rows ('example_ids'), which the gathering relies on.
 """

@@ -23,8 +23,9 @@ The cross-attention keys/values are the target's LAST decoder layer's, taken fro
 target's cache (they never change during a decode); the head owns only the query and
 output projections of its cross-attention, so it costs no projection of the encoding.
 
-Parameter paths: `fuse/kernel [(2 + n) e, e]` (rows: h, the embedding, the n layers), `decoder/relpos_bias`, `decoder/layers_{i}` (T5X's
-decoder layer without `encoder_decoder_attention/{key,value}`), `decoder/feature_norm`.
+Parameter paths: `fuse/kernel [(2 + n) e, e]` (rows: h, the embedding, the n layers),
+`decoder/relpos_bias`, `decoder/layers_{i}` (T5X's decoder layer without
+`encoder_decoder_attention/{key,value}`), `decoder/feature_norm`.
 
 Entry points (call with `FeatureDraft(config).apply(params, ...)`):
   __call__(features [b, t, e (1 + n)] or [b, t, e], embeddings [b, t, e], cache)
