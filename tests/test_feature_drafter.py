@@ -378,8 +378,9 @@ FUSED_GREEDY = ('token_gamma4', 'coupled', 'verify_lengths', 'tree')
 
 
 @pytest.mark.parametrize('name,feature_layers',
-                         [(name, ()) for name in GREEDY_SPECS]
-                         + [(name, FUSED) for name in FUSED_GREEDY])
+                         [pytest.param(name, (), id=name) for name in GREEDY_SPECS]
+                         + [pytest.param(name, FUSED, id=f'{name}-fused')
+                            for name in FUSED_GREEDY])
 def test_greedy_output_is_the_baselines(name, feature_layers):
   result = speculative_generate(
       spec_tests._target_params(), _drafter_params(feature_layers),
