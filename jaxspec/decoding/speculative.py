@@ -349,7 +349,7 @@ def _iteration_of_rule(state: _LoopState, target_params, drafter_params, encoder
 
   logits, features, target_cache, positions = _verify(
       state, target_params, context, drafts, num_drafts, target_config, spec.verify_lengths,
-      drafter.reads_target_features, drafter.target_feature_layers)
+      _features_of(drafter))
   drafter_state = _observed(drafter, drafter_params, drafter_state, features, state.length)
   # [b, g+1, v]; the token-wise verdict at temperature 0 needs only the argmax.
   target_probs = None if _argmax_verdict(spec, sampling) else standardize(logits, sampling)
@@ -363,11 +363,11 @@ def _iteration_of_rule(state: _LoopState, target_params, drafter_params, encoder
 
 def _verify(state: _LoopState, target_params, context: DraftContext, drafts, num_drafts,
             target_config: T5Config, verify_lengths: tuple[int, ...] = (),
-            with_features: bool = False, feature_layers: tuple[int, ...] = ()):
+            features_of: tuple[int, ...] | None = None):
   """The target's ONE decode step over x_length (the last committed token) and the
-  drafts [b, g], at each row's offset -> (logits [b, g+1, v], the final hidden states
-  [b, g+1, e] with_features (else None; then feature_layers' outputs too: [b, g+1,
-  e (1 + n)]), target cache, positions the step ran over []).
+  drafts [b, g], at each row's offset -> (logits [b, g+1, v], features: the final hidden
+  states then the outputs of the decoder layers features_of lists, [b, g+1, e (1 + n)]
+  (None where features_of is None), target cache, positions the step ran over []).
 
   With verify_lengths the step runs over the shortest listed length k that holds
   x_length and the longest proposal among the decoding rows (num_drafts [b]), and the
@@ -387,10 +387,10 @@ def _verify(state: _LoopState, target_params, context: DraftContext, drafts, num
       with cpu_matmul.active_rows(needed_positions[:, :length]):
         logits, features, cache = T5(target_config).apply(
             target_params, verify_tokens[:, :length], target_cache,
-            feature_layers=feature_layers if with_features else (),
-            method=T5.decode_with_features)
+            feature_layers=features_of or (), method=T5.decode_with_features)
       pad = ((0, 0), (0, full - length), (0, 0))
-      return jnp.pad(logits, pad), (jnp.pad(features, pad) if with_features else None), cache
+      features = None if features_of is None else jnp.pad(features, pad)
+      return jnp.pad(logits, pad), features, cache
     return run
 
   if not verify_lengths:
@@ -400,6 +400,12 @@ def _verify(state: _LoopState, target_params, context: DraftContext, drafts, num
   branch = jnp.sum(needed > jnp.asarray(lengths[:-1]))  # the shortest length >= needed
   logits, features, cache = jax.lax.switch(branch, [step(length) for length in lengths])
   return logits, features, cache, jnp.asarray(lengths, jnp.int32)[branch]
+
+
+def _features_of(drafter: Drafter) -> tuple[int, ...] | None:
+  """The target decoder layers whose outputs the drafter reads beside h, () for h alone;
+  None where it reads no features (the verify step then returns none)."""
+  return drafter.target_feature_layers if drafter.reads_target_features else None
 
 
 def _observed(drafter: Drafter, drafter_params, drafter_state, features, length):
@@ -430,7 +436,7 @@ def _coupled_iteration(state: _LoopState, target_params, drafter_params, encoder
   num_drafts = drafts_through_first(drafts == eos_id)  # [b]
   logits, features, target_cache, positions = _verify(
       state, target_params, context, drafts, num_drafts, target_config, spec.verify_lengths,
-      drafter.reads_target_features, drafter.target_feature_layers)
+      _features_of(drafter))
   drafter_state = _observed(drafter, drafter_params, drafter_state, features, state.length)
   vocab = logits.shape[-1]
   if sampling.is_greedy:
