@@ -142,7 +142,10 @@ def test_ende_inputs_are_untranslated_train_strings(tmp_path):
   expected = [train[0], train[1], 'Quit'] if build.split_of('Quit') == 'train' else train
   assert [e['inputs'] for e in examples] == expected
   assert examples[0] == {'inputs': train[0], 'source': 'fr/LC_MESSAGES/gtk20.mo'}
-  assert build.write_inputs_only(str(tmp_path / 'out'), 'ende_inputs', examples)['train'][
-      'examples'] == len(expected)
+  stats = build.write_inputs_only(str(tmp_path / 'out'), 'ende_inputs', examples)['train']
+  assert stats['examples'] == len(expected) and 'targets_words' not in stats
+  assert stats['inputs_words'] == round(sum(len(t.split()) for t in expected) / len(expected), 1)
+  assert stats['inputs_chars'] == round(sum(map(len, expected)) / len(expected), 1)
+  assert stats['bytes'] == (tmp_path / 'out' / 'ende_inputs' / 'train.jsonl.gz').stat().st_size
   with gzip.open(tmp_path / 'out' / 'ende_inputs' / 'train.jsonl.gz', 'rt') as f:
     assert [json.loads(line) for line in f] == examples

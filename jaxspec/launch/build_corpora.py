@@ -412,21 +412,17 @@ def write_inputs_only(out_dir, name, examples):
   """Writes an inputs-only corpus (its train split); returns its statistics."""
   path = os.path.join(out_dir, name, 'train.jsonl.gz')
   write_jsonl_gz(path, examples)
-  count = max(len(examples), 1)
-  return {'train': {'examples': len(examples), 'bytes': os.path.getsize(path),
-                    'inputs_words': round(sum(len(e['inputs'].split()) for e in examples) / count, 1),
-                    'inputs_chars': round(sum(len(e['inputs']) for e in examples) / count, 1)}}
+  return {'train': {**split_stats(examples, fields=('inputs',)),
+                    'bytes': os.path.getsize(path)}}
 
 
-def split_stats(examples):
-  """Count, mean words and mean characters of inputs and targets."""
+def split_stats(examples, fields=('inputs', 'targets')):
+  """Count, mean words and mean characters of each of `fields`."""
   count = max(len(examples), 1)
   mean = lambda field, size: round(sum(size(e[field]) for e in examples) / count, 1)
   return {'examples': len(examples),
-          'inputs_words': mean('inputs', lambda t: len(t.split())),
-          'targets_words': mean('targets', lambda t: len(t.split())),
-          'inputs_chars': mean('inputs', len),
-          'targets_chars': mean('targets', len)}
+          **{f'{field}_words': mean(field, lambda t: len(t.split())) for field in fields},
+          **{f'{field}_chars': mean(field, len) for field in fields}}
 
 
 def write_corpus(out_dir, name, examples):
