@@ -191,6 +191,16 @@ def test_a_widened_head_drafts_as_it_did_and_trains_over_the_layers():
     feature_draft.as_read(jnp.ones((1, 2, 64)), TARGET.emb_dim, 2)
   with pytest.raises(ValueError, match='more target layers than 1'):
     feature_draft.with_feature_layers(widened, config, 1)
+  # Started from the target over two layers: the head of h alone, with zero rows for them.
+  target_params = spec_tests._target_params()
+  alone, over_two = (feature_draft.from_target(target_params, config, jax.random.PRNGKey(0),
+                                               num_feature_layers=n)['params'] for n in (0, 2))
+  head_checkpoints.check_params(over_two, config, 2)
+  np.testing.assert_array_equal(
+      np.asarray(over_two['fuse']['kernel']),
+      np.concatenate([alone['fuse']['kernel'], np.zeros((2 * TARGET.emb_dim, TARGET.emb_dim))]))
+  assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+      np.array_equal, alone['decoder'], over_two['decoder']))
 
 
 # ----------------------------------------------------------------------------------

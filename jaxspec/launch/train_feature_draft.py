@@ -138,11 +138,11 @@ def train_feature_draft(
       batch_size, seed, 0, length_quantum)
 
   if init_from_target:
-    params = feature_draft.from_target(target_params, config, jax.random.PRNGKey(seed))
+    params = feature_draft.from_target(target_params, config, jax.random.PRNGKey(seed),
+                                       num_feature_layers=len(feature_layers))
   else:
     params = feature_draft.init_params(config, jax.random.PRNGKey(seed),
                                        num_feature_layers=len(feature_layers))
-  params = feature_draft.with_feature_layers(params, config, len(feature_layers))
   params = jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True), params['params'])
   head_checkpoints.check_params(params, config, len(feature_layers))
   if init_checkpoint and not train_script.latest_step(checkpoint_dir):

@@ -184,12 +184,14 @@ def with_feature_layers(params: Mapping[str, Any], config: T5Config,
   return {'params': {**params, 'fuse': {**params['fuse'], 'kernel': padded}}}
 
 
-def from_target(target_params: Mapping[str, Any], config: T5Config, rng) -> dict:
+def from_target(target_params: Mapping[str, Any], config: T5Config, rng,
+                num_feature_layers: int = 0) -> dict:
   """The head's {'params'}, started from the target: every head layer a copy of the
   target's last decoder layer (its cross-attention query and output; the keys/values are
   the target's own at decode), the target's decoder relative position bias and final norm,
   and `fuse` the sum of its two inputs plus a small random part (so slot j starts from
-  h_{j-1} + embed(x_j), on the scale of the target's stream). rng: for that random part."""
+  h_{j-1} + embed(x_j), on the scale of the target's stream), its rows for
+  num_feature_layers target layers' outputs zero. rng: for that random part."""
   params = jax.device_get(target_params)
   params = params.get('params', params)
   target_decoder = params['decoder']
@@ -203,9 +205,9 @@ def from_target(target_params: Mapping[str, Any], config: T5Config, rng) -> dict
   width = config.emb_dim
   identity = np.concatenate([np.eye(width), np.eye(width)], axis=0)  # [2e, e]
   fuse = np.asarray(head['fuse']['kernel'], np.float32) * 0.01 + identity
-  return {'params': {
+  return with_feature_layers({'params': {
       'fuse': {'kernel': fuse.astype(np.asarray(head['fuse']['kernel']).dtype)},
       'decoder': {
           'relpos_bias': target_decoder['relpos_bias'],
           **{f'layers_{i}': layer for i in range(config.num_decoder_layers)},
-          'feature_norm': target_decoder['decoder_norm']}}}
+          'feature_norm': target_decoder['decoder_norm']}}}, config, num_feature_layers)
