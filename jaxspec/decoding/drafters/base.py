@@ -231,7 +231,8 @@ class Drafter(abc.ABC):
   def observe_target_features(self, params, state, features, start):
     """The state once it has the target's final hidden states features [b, k, e] (then
     the outputs of target_feature_layers: [b, k, e (1 + n)]) of the verify step just run,
-    at positions start[b] + 0..k-1 (start: the committed length that step verified from). Only where `reads_target_features`. Default: unchanged."""
+    at positions start[b] + 0..k-1 (start: the committed length that step verified from).
+    Only where `reads_target_features`. Default: unchanged."""
     del params, features, start
     return state
 
