@@ -320,3 +320,14 @@ def test_a_command_away_from_a_checkout_says_what_to_set(tiny, away_from_the_che
                   r"spm.model .* point --data_dir or \$JAXSPEC_DATA_DIR at a checkout's data/")
   status, _, err = run([f'--gin_file={tiny}/config.gin', f'--data_dir={REPO / "data"}'])
   assert status == 0, err
+
+
+def test_the_measurement_commands_refuse_in_one_line(tmp_path, run):
+  from jaxspec.launch import cost_model, render_benchmarks
+  status, _, err = run([f'--run_dir={tmp_path}'], cost_model, 'jaxspec-cost-model')
+  _one_error_line(status, err, r'baseline.jsonl not found: --run_dir must hold a run',
+                  'jaxspec-cost-model')
+  status, _, err = run([f'--results_dir={tmp_path}/none'], render_benchmarks,
+                       'jaxspec-render-benchmarks')
+  _one_error_line(status, err, r'none is not a directory \(--results_dir\)',
+                  'jaxspec-render-benchmarks')

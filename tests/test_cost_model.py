@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from jaxspec import errors
 from jaxspec.measure import analysis, cost_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,8 +117,10 @@ def test_bad_inputs_are_refused():
     cost_model.expected_speedup(0.5, 4, [], BASELINE, SPECULATIVE)
 
 
-def _write_run(run_dir, lengths, calls, drafts, alpha=0.9, gamma=4):
+def _write_run(run_dir, lengths, calls, drafts, alpha=0.9, gamma=4, chosen=None):
+  """A run's records; with gamma='auto', chosen[i] is the gamma example i took."""
   os.makedirs(run_dir, exist_ok=True)
+  chosen = [gamma] * len(lengths) if chosen is None else chosen
   with open(os.path.join(run_dir, 'baseline.jsonl'), 'w') as f:
     for i, n in enumerate(lengths):
       f.write(json.dumps({'index': i, 'batch_start': i, 'tokens': [7] * (n - 1) + [1],
@@ -125,7 +128,7 @@ def _write_run(run_dir, lengths, calls, drafts, alpha=0.9, gamma=4):
   with open(os.path.join(run_dir, 'speculative.jsonl'), 'w') as f:
     for i, (c, d) in enumerate(zip(calls, drafts)):
       f.write(json.dumps({'index': i, 'batch_start': i, 'target_calls': int(c),
-                          'batch_verified_positions': int(d),
+                          'gamma': chosen[i], 'batch_verified_positions': int(d),
                           'batch_seconds': SPECULATIVE.example_ms(c, d) / 1e3}) + '\n')
   with open(os.path.join(run_dir, 'summary.json'), 'w') as f:
     json.dump({'task': 'ende', 'draft': 'test draft', 'temperature': 0.0, 'gamma': gamma,
@@ -158,6 +161,34 @@ def test_script_fits_a_run_and_writes_the_table(tmp_path, capsys):
   assert len(table) == 4
 
 
+def test_an_auto_gamma_run_is_modelled_at_the_gamma_its_examples_took(tmp_path):
+  # The main job's config decodes with gamma='auto'; its records say the gamma taken.
+  rng = np.random.default_rng(3)
+  lengths = rng.integers(3, 30, size=40)
+  calls = rng.integers(1, 5, size=40)
+  drafts = calls * 8 + rng.integers(0, 3, size=40)
+  run_dir = str(tmp_path / 'run')
+  _write_run(run_dir, lengths, calls, drafts, gamma='auto', chosen=[9] * 40)
+  cost_model_script.main([f'--run_dir={run_dir}', '--gammas=9'])
+  result = json.load(open(os.path.join(run_dir, 'cost_model.json')))
+  assert (result['run']['gamma'], result['run']['gamma_setting']) == (9, 'auto')
+  np.testing.assert_allclose(
+      result['modelled_speedup_at_run'],
+      cost_model.expected_speedup(0.9, 9, lengths, BASELINE, SPECULATIVE), rtol=1e-9)
+  assert 'gamma 9,' in open(os.path.join(run_dir, 'cost_model.md')).read()
+
+
+@pytest.mark.parametrize('chosen', [[9] * 39 + [5], [9] * 39 + [0]])
+def test_an_auto_gamma_run_of_several_gammas_is_refused_in_one_line(tmp_path, chosen):
+  run_dir = str(tmp_path / 'run')
+  _write_run(run_dir, [5] * 40, [1] * 40, [4] * 40, gamma='auto', chosen=chosen)
+  with pytest.raises(errors.InvalidSetting,
+                     match=r"more than one gamma or the baseline .*GAMMA") as error:
+    cost_model_script.main([f'--run_dir={run_dir}'])
+  assert '\n' not in str(error.value)
+  assert not os.path.exists(os.path.join(run_dir, 'cost_model.json'))
+
+
 def test_script_refuses_a_directory_without_both_decoders(tmp_path):
-  with pytest.raises(SystemExit, match='baseline.jsonl not found'):
+  with pytest.raises(errors.MissingFile, match='baseline.jsonl not found'):
     cost_model_script.main([f'--run_dir={tmp_path}'])

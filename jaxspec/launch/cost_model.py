@@ -8,7 +8,7 @@ scripts/infer.py with both decoders), fits each decoder's per-example millisecon
 least squares (jaxspec.measure.cost_model: the baseline's fixed cost and cost a token;
 speculative decoding's fixed cost, cost a target call and cost a drafted token), checks
 the model against the run (its expected speedup at the run's alpha and gamma beside the
-measured one), and prints, for drafts costing each given fraction of the fitted cost a
+measured one; with gamma='auto', the gamma every example took), and prints, for drafts costing each given fraction of the fitted cost a
 drafted token (a draft with half the layers: about 0.5) and iterations costing each
 fraction in --call_costs of the fitted cost a target call (a cheaper verify step), the
 least alpha that reaches --speedup at each of --gammas. The cost a call is the run's,
@@ -28,7 +28,7 @@ import sys
 import numpy as np
 
 from jaxspec.measure import cost_model
-from jaxspec import inference
+from jaxspec import errors, inference
 from jaxspec.launch import command
 
 
@@ -50,7 +50,7 @@ def _parse_args(argv):
 def _numbers(text: str, kind):
   values = [kind(v) for v in text.split(',') if v]
   if not values:
-    raise SystemExit(f'expected a comma-separated list, got {text!r}')
+    raise errors.InvalidSetting(f'expected a comma-separated list, got {text!r}')
   return values
 
 
@@ -58,7 +58,7 @@ def _records(run_dir: str, decoder: str) -> dict[int, dict]:
   """{example index: record} of one decoder's records, read as the launcher resumes them."""
   path = os.path.join(run_dir, f'{decoder}.jsonl')
   if not os.path.exists(path):
-    raise SystemExit(f'{path} not found: --run_dir must hold a run of scripts/infer.py with '
+    raise errors.MissingFile(f'{path} not found: --run_dir must hold a run of scripts/infer.py with '
                      'the baseline and speculative decoders')
   return inference.ResumableJsonl(path).records
 
@@ -68,11 +68,11 @@ def load_run(run_dir: str) -> dict:
   baseline = _records(run_dir, 'baseline')
   speculative = _records(run_dir, 'speculative')
   if set(baseline) != set(speculative):
-    raise SystemExit(f'{run_dir}: the baseline and speculative records cover different '
+    raise errors.InvalidSetting(f'{run_dir}: the baseline and speculative records cover different '
                      'examples (an interrupted run?); rerun it to completion')
   indices = sorted(baseline)
   if any(baseline[i]['batch_start'] != i for i in indices):
-    raise SystemExit(f'{run_dir}: batches of more than one example; the cost model is per '
+    raise errors.InvalidSetting(f'{run_dir}: batches of more than one example; the cost model is per '
                      'example (run with batch size 1)')
   with open(os.path.join(run_dir, 'summary.json')) as f:
     summary = json.load(f)
@@ -83,8 +83,23 @@ def load_run(run_dir: str) -> dict:
       'calls': column(speculative, 'target_calls'),
       'drafts': column(speculative, 'batch_verified_positions'),
       'speculative_ms': 1e3 * column(speculative, 'batch_seconds'),
+      'gamma': run_gamma(run_dir, summary, [speculative[i] for i in indices]),
       'summary': summary,
   }
+
+
+def run_gamma(run_dir: str, summary: dict, records) -> int:
+  """The one gamma the run decoded with: its setting, or with gamma='auto' the gamma its
+  records say every example took (the fit is of one gamma's calls and drafts)."""
+  if summary.get('gamma') != 'auto':
+    return summary['gamma']
+  chosen = sorted({record.get('gamma') for record in records}, key=str)
+  if len(chosen) != 1 or not isinstance(chosen[0], int) or chosen[0] < 1:
+    taken = summary.get('gamma_choices') or ', '.join(map(str, chosen))
+    raise errors.InvalidSetting(f"{run_dir}: gamma='auto' decoded with more than one gamma or the "
+                     f'baseline ({taken}); the cost model fits one gamma: rerun the job '
+                     'with --gin.GAMMA=<the gamma to fit>')
+  return chosen[0]
 
 
 def analyse(run: dict, speedup: float, gammas, draft_costs, call_costs=(1.0,)) -> dict:
@@ -92,7 +107,7 @@ def analyse(run: dict, speedup: float, gammas, draft_costs, call_costs=(1.0,)) -
   speculative = cost_model.fit_speculative_costs(run['calls'], run['drafts'],
                                                  run['speculative_ms'])
   summary = run['summary']
-  modelled = cost_model.expected_speedup(summary['alpha'], summary['gamma'], run['lengths'],
+  modelled = cost_model.expected_speedup(summary['alpha'], run['gamma'], run['lengths'],
                                          baseline, speculative)
   rows = []
   for call_fraction in call_costs:
@@ -104,8 +119,9 @@ def analyse(run: dict, speedup: float, gammas, draft_costs, call_costs=(1.0,)) -
                    'required_alpha': {str(g): cost_model.required_alpha(
                        speedup, g, run['lengths'], baseline, costs) for g in gammas}})
   return {
-      'run': {key: summary.get(key) for key in ('task', 'draft', 'temperature', 'gamma',
-                                                'alpha', 'speedup', 'examples')},
+      'run': {**{key: summary.get(key) for key in ('task', 'draft', 'temperature', 'alpha',
+                                                   'speedup', 'examples')},
+              'gamma': run['gamma'], 'gamma_setting': summary.get('gamma')},
       'mean_output_tokens': float(run['lengths'].mean()),
       'mean_target_calls': float(run['calls'].mean()),
       'mean_drafts': float(run['drafts'].mean()),

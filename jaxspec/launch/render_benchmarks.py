@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 
+from jaxspec import errors
 from jaxspec.measure import report
 from jaxspec.launch import command
 
@@ -29,7 +30,7 @@ def main(argv=None):
   command.add_verbose_flag(parser)
   args = parser.parse_args(argv)
   if not os.path.isdir(args.results_dir):
-    raise SystemExit(f'{args.results_dir} is not a directory (--results_dir)')
+    raise errors.MissingFile(f'{args.results_dir} is not a directory (--results_dir)')
   text = report.render(args.results_dir, link_base=os.path.dirname(args.out) or '.')
   if args.check:
     try:
