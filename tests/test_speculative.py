@@ -931,6 +931,15 @@ def test_verify_lengths_are_checked(lengths):
   assert SpeculativeConfig(gamma=3, verify_lengths=[2, 3]).verify_lengths == (2, 3)  # gin's lists
 
 
+def test_verify_lengths_above_gamma_say_to_leave_them_out():
+  # The main job's config sets verify steps of 5 for gamma 9; --gin.GAMMA=3 over it.
+  with pytest.raises(ValueError, match=r'got \(5,\); a length above gamma 3 is no shorter '
+                     r'than a whole step \(4 positions\): leave it out'):
+    SpeculativeConfig(gamma=3, verify_lengths=(5,))
+  with pytest.raises(ValueError, match=r'got \(3, 2\)$'):
+    SpeculativeConfig(gamma=3, verify_lengths=(3, 2))
+
+
 def test_verify_lengths_refuse_token_trees():
   with pytest.raises(ValueError, match=r'cannot be combined with verify_lengths \(2,\)'):
     SpeculativeConfig(gamma=3, num_drafts=2, verify_lengths=(2,))

@@ -127,8 +127,14 @@ class SpeculativeConfig:
     if (not isinstance(lengths, tuple) or not all(type(k) is int for k in lengths)
         or any(not 2 <= k <= most for k in lengths)
         or any(a >= b for a, b in zip(lengths, lengths[1:]))):
-      raise InvalidSetting(f'verify_lengths must be a tuple of increasing integers in [2, gamma '
-                           f'{self.gamma}] (positions of a shorter verify step), got {lengths!r}')
+      above = (isinstance(lengths, tuple) and self.gamma != AUTO
+               and any(type(k) is int and k > most for k in lengths))
+      raise InvalidSetting(
+          f'verify_lengths must be a tuple of increasing integers in [2, gamma '
+          f'{self.gamma}] (positions of a shorter verify step), got {lengths!r}'
+          + (f'; a length above gamma {self.gamma} is no shorter than a whole step '
+             f'({self.gamma + 1} positions): leave it out (VERIFY_LENGTHS in the shipped '
+             'gin configs)' if above else ''))
     self._check_rule(verification.RULES[self.verification])
     if self.num_drafts > 1:
       self._check_rule(verification.TREE_RULE)
