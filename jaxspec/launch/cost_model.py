@@ -8,8 +8,9 @@ scripts/infer.py with both decoders), fits each decoder's per-example millisecon
 least squares (jaxspec.measure.cost_model: the baseline's fixed cost and cost a token;
 speculative decoding's fixed cost, cost a target call and cost a drafted token), checks
 the model against the run (its expected speedup at the run's alpha and gamma beside the
-measured one; with gamma='auto', the gamma every example took), and prints, for drafts costing each given fraction of the fitted cost a
-drafted token (a draft with half the layers: about 0.5) and iterations costing each
+measured one; with gamma='auto', the gamma every example took), and prints, for drafts
+costing each given fraction of the fitted cost a drafted token (a draft with half the
+layers: about 0.5) and iterations costing each
 fraction in --call_costs of the fitted cost a target call (a cheaper verify step), the
 least alpha that reaches --speedup at each of --gammas. The cost a call is the run's,
 whose verify steps span at most its gamma + 1 positions: gammas above the run's verify
@@ -58,8 +59,8 @@ def _records(run_dir: str, decoder: str) -> dict[int, dict]:
   """{example index: record} of one decoder's records, read as the launcher resumes them."""
   path = os.path.join(run_dir, f'{decoder}.jsonl')
   if not os.path.exists(path):
-    raise errors.MissingFile(f'{path} not found: --run_dir must hold a run of scripts/infer.py with '
-                     'the baseline and speculative decoders')
+    raise errors.MissingFile(f'{path} not found: --run_dir must hold a run of scripts/infer.py '
+                             'with the baseline and speculative decoders')
   return inference.ResumableJsonl(path).records
 
 
@@ -68,12 +69,13 @@ def load_run(run_dir: str) -> dict:
   baseline = _records(run_dir, 'baseline')
   speculative = _records(run_dir, 'speculative')
   if set(baseline) != set(speculative):
-    raise errors.InvalidSetting(f'{run_dir}: the baseline and speculative records cover different '
-                     'examples (an interrupted run?); rerun it to completion')
+    raise errors.InvalidSetting(f'{run_dir}: the baseline and speculative records cover '
+                                'different examples (an interrupted run?); rerun it to '
+                                'completion')
   indices = sorted(baseline)
   if any(baseline[i]['batch_start'] != i for i in indices):
-    raise errors.InvalidSetting(f'{run_dir}: batches of more than one example; the cost model is per '
-                     'example (run with batch size 1)')
+    raise errors.InvalidSetting(f'{run_dir}: batches of more than one example; the cost model '
+                                'is per example (run with batch size 1)')
   with open(os.path.join(run_dir, 'summary.json')) as f:
     summary = json.load(f)
   column = lambda records, field: np.array([records[i][field] for i in indices])  # noqa: E731
@@ -96,9 +98,9 @@ def run_gamma(run_dir: str, summary: dict, records) -> int:
   chosen = sorted({record.get('gamma') for record in records}, key=str)
   if len(chosen) != 1 or not isinstance(chosen[0], int) or chosen[0] < 1:
     taken = summary.get('gamma_choices') or ', '.join(map(str, chosen))
-    raise errors.InvalidSetting(f"{run_dir}: gamma='auto' decoded with more than one gamma or the "
-                     f'baseline ({taken}); the cost model fits one gamma: rerun the job '
-                     'with --gin.GAMMA=<the gamma to fit>')
+    raise errors.InvalidSetting(f"{run_dir}: gamma='auto' decoded with more than one gamma or "
+                                f'the baseline ({taken}); the cost model fits one gamma: rerun '
+                                'the job with --gin.GAMMA=<the gamma to fit>')
   return chosen[0]
 
 
