@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxspec.measure import cost_model
 from jaxspec import errors, inference
+from jaxspec.validation import AUTO_GAMMA
 from jaxspec.launch import command
 
 
@@ -93,15 +94,16 @@ def load_run(run_dir: str) -> dict:
 def run_gamma(run_dir: str, summary: dict, records) -> int:
   """The one gamma the run decoded with: its setting, or with gamma='auto' the gamma its
   records say every example took (the fit is of one gamma's calls and drafts)."""
-  if summary.get('gamma') != 'auto':
+  if summary.get('gamma') != AUTO_GAMMA:
     return summary['gamma']
-  chosen = sorted({record.get('gamma') for record in records}, key=str)
-  if len(chosen) != 1 or not isinstance(chosen[0], int) or chosen[0] < 1:
-    taken = summary.get('gamma_choices') or ', '.join(map(str, chosen))
+  chosen = {record.get('gamma') for record in records}
+  gamma = chosen.pop() if len(chosen) == 1 else None
+  if not isinstance(gamma, int) or gamma < 1:
+    taken = summary.get('gamma_choices', 'see its records')
     raise errors.InvalidSetting(f"{run_dir}: gamma='auto' decoded with more than one gamma or "
                                 f'the baseline ({taken}); the cost model fits one gamma: rerun '
                                 'the job with --gin.GAMMA=<the gamma to fit>')
-  return chosen[0]
+  return gamma
 
 
 def analyse(run: dict, speedup: float, gammas, draft_costs, call_costs=(1.0,)) -> dict:
