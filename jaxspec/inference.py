@@ -29,8 +29,9 @@ def load_model_params(checkpoint: str, config: T5Config, *, for_decoding: bool =
   """Variables {'params': ...} from a T5X checkpoint, in config.param_dtype, on device.
 
   for_decoding: kernels in the layout in which the model decodes fastest on this
-  platform (jaxspec.model.cpu.layout: transposed on CPU, where steps over a few
-  positions run through jaxspec's few-row kernel, jaxspec.model.cpu.matmul; a target's
+  platform (jaxspec.model.cpu.layout: tiled, or transposed without the kernel's AVX-512
+  build, on CPU, where steps over a few positions run through jaxspec's few-row kernel,
+  jaxspec.model.cpu.matmul; a target's
   verify step then costs about one step, and a draft's proposal less than in T5X's
   layout, scripts/step_costs.py; on a GPU or TPU the fused layout, each decoder layer's
   q/k/v and wi_0/wi_1 in one product, jaxspec.model.accelerator.layout).

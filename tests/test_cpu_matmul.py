@@ -550,3 +550,96 @@ def test_inactive_rows_are_skipped_and_active_rows_unchanged(active):
     assert not np.any(np.asarray(got)[~np.asarray(active)])
   for full, got in zip(everything, unbatched):
     np.testing.assert_array_equal(got, np.asarray(full)[0])
+
+
+# ---- Float32 weights tiled with the outputs in the lanes ([out / 16, in, 16]) ----
+
+needs_float_tiles = pytest.mark.skipif(not cpu_matmul.tiled_floats_apply(),
+                                       reason='the tiled float32 form runs in the AVX-512 build')
+
+
+def _float64_row_order(x, w_t):
+  """Each output summed over its inputs in input order, one float32 FMA at a time: what
+  the tiled form computes (np.float32 products and sums, fused by rounding once)."""
+  acc = np.zeros((x.shape[0], w_t.shape[0]), np.float32)
+  for i in range(x.shape[1]):
+    acc = (acc.astype(np.float64) + np.outer(x[:, i], w_t[:, i]).astype(np.float64)
+           ).astype(np.float32)
+  return acc
+
+
+def test_float_tiles_hold_each_weight_where_the_kernel_reads_it():
+  w_t = np.arange(48 * 5, dtype=np.float32).reshape(48, 5)
+  tiles = cpu_matmul.tile_kernel(w_t)
+  assert tiles.shape == (3, 5, 16) and tiles.flags['C_CONTIGUOUS']
+  for t, i, lane in [(0, 0, 0), (1, 4, 15), (2, 2, 7)]:
+    assert tiles[t, i, lane] == w_t[16 * t + lane, i]
+  np.testing.assert_array_equal(cpu_matmul.untile_kernel(tiles), w_t)
+  np.testing.assert_array_equal(np.asarray(cpu_matmul.untile_kernel(jnp.asarray(tiles))), w_t)
+  np.testing.assert_array_equal(np.asarray(cpu_matmul.tile_kernel(jnp.asarray(w_t))), tiles)
+  assert cpu_matmul.tileable(w_t) and not cpu_matmul.tileable(np.zeros((40, 5), np.float32))
+  x = np.random.default_rng(0).standard_normal((2, 5)).astype(np.float32)
+  np.testing.assert_allclose(np.asarray(cpu_matmul.xla_matmul_tiled(x, tiles)), x @ w_t.T,
+                             rtol=1e-6)
+
+
+@needs_kernel
+@needs_float_tiles
+@pytest.mark.parametrize('rows', [1, 2, 5, 6, 7, 10, 12, 13, 40])
+@pytest.mark.parametrize('inputs,outputs', [(512, 1536), (2048, 512), (7, 48), (64, 16)])
+def test_tiled_float32_sums_each_output_in_input_order(rows, inputs, outputs):
+  """The tiled form's products against a reference that sums each output over its inputs
+  in order in float32 (within the rounding of fused multiply-adds), against float64, and
+  for every row count: one row (8 tiles a block), 2..6 rows, 7..12 in one pass, more in
+  passes, an odd tile count and inputs no multiple of a vector."""
+  x, w_t = _operands(rows, inputs, outputs, seed=rows + inputs)
+  tiles = jnp.asarray(cpu_matmul.tile_kernel(w_t))
+  assert cpu_matmul.applies_tiled(jnp.asarray(x), tiles)
+  got = np.asarray(jax.jit(cpu_matmul.few_row_matmul)(jnp.asarray(x), tiles))
+  assert got.shape == (rows, outputs)
+  scale = np.abs(x).astype(np.float64) @ np.abs(w_t).astype(np.float64).T
+  expected = x.astype(np.float64) @ w_t.astype(np.float64).T
+  assert np.all(np.abs(got - expected) <= 1e-6 * scale + 1e-6)
+  if inputs <= 64:
+    in_order = _float64_row_order(x, w_t)
+    assert np.all(np.abs(got - in_order) <= 1e-6 * scale + 1e-7)
+
+
+@needs_kernel
+@needs_float_tiles
+def test_a_tiled_row_is_bit_identical_whatever_rows_share_the_product():
+  """What keeps a verify step's logits equal to the one-position steps' logits in the
+  tiled layout: every block shape and pass split sums a row's outputs alike."""
+  x, w_t = _operands(40, 300, 96, seed=5)
+  x, tiles = jnp.asarray(x), jnp.asarray(cpu_matmul.tile_kernel(w_t))
+  kernel = jax.jit(cpu_matmul.few_row_matmul)
+  singles = np.stack([np.asarray(kernel(x[n:n + 1], tiles))[0] for n in range(40)])
+  for k in (*range(2, 14), 16, 24, 25, 40):
+    np.testing.assert_array_equal(np.asarray(kernel(x[:k], tiles)), singles[:k])
+  np.testing.assert_array_equal(np.asarray(kernel(x[:10].reshape(2, 5, 300), tiles)),
+                                singles[:10].reshape(2, 5, 96))
+
+
+@needs_kernel
+@needs_float_tiles
+def test_tiled_float32_in_one_call_of_several_matrices_with_ended_rows_and_gradients():
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.standard_normal((3, 4, 128)).astype(np.float32))  # [b, t, in]
+  tiles = [jnp.asarray(cpu_matmul.tile_kernel(rng.standard_normal((out, 128)).astype(np.float32)))
+           for out in (128, 320, 64)]
+  separate = [np.asarray(cpu_matmul.matmul_tiled(x, t)) for t in tiles]
+  for k in (2, 3):
+    for got, expected in zip(cpu_matmul.matmuls_tiled(x, tiles[:k]), separate):
+      np.testing.assert_array_equal(np.asarray(got), expected)
+  active = jnp.asarray([True, False, True])
+  with cpu_matmul.active_rows(active):
+    masked = jax.jit(lambda x: cpu_matmul.matmuls_tiled(x, tiles))(x)
+  for got, expected in zip(masked, separate):
+    np.testing.assert_array_equal(np.asarray(got)[[0, 2]], expected[[0, 2]])
+    assert not np.any(np.asarray(got)[1])
+  # XLA where the kernel does not run (cpu_matmul 'xla'), and gradients through XLA.
+  np.testing.assert_allclose(np.asarray(cpu_matmul.matmul_tiled(x, tiles[0], 'xla')),
+                             separate[0], rtol=1e-5, atol=1e-5)
+  grad = jax.grad(lambda x: jnp.sum(cpu_matmul.matmul_tiled(x, tiles[1]) ** 2))(x)
+  grad_xla = jax.grad(lambda x: jnp.sum(cpu_matmul.xla_matmul_tiled(x, tiles[1]) ** 2))(x)
+  np.testing.assert_allclose(np.asarray(grad), np.asarray(grad_xla), rtol=1e-4, atol=1e-4)

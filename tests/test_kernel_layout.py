@@ -27,6 +27,7 @@ from jaxspec.decoding.drafters import T5Drafter
 from jaxspec.decoding.speculative import SpeculativeConfig, speculative_generate
 from jaxspec.model import T5, init_params
 from jaxspec.model.cpu import layout as kernel_layout
+from jaxspec.model.cpu import matmul as cpu_matmul
 from jaxspec.model.cpu.matmul import TRANSPOSED_CONTRACTION_ROWS
 from jaxspec.sampling import SamplingConfig
 
@@ -72,7 +73,10 @@ def test_conversion_transposes_exactly_the_kernels(name):
 
 def test_layout_by_platform():
   variables = _variables('test_tiny_1_1')
-  assert kernel_layout.decode_layout('cpu') == kernel_layout.TRANSPOSED
+  # The CPU decodes from tiled kernels where the kernel's AVX-512 build runs, else from
+  # transposed ones.
+  cpu = kernel_layout.TILED if cpu_matmul.tiled_floats_apply() else kernel_layout.TRANSPOSED
+  assert kernel_layout.decode_layout('cpu') == cpu
   assert kernel_layout.decode_layout('tpu') == kernel_layout.FUSED
   assert kernel_layout.decode_layout('gpu') == kernel_layout.FUSED
   assert kernel_layout.has_transposed_kernels(kernel_layout.for_decoding(variables, 'cpu'))
@@ -112,12 +116,16 @@ def test_model_computes_the_same_from_either_layout(name, num_steps, length):
   decoder_tokens = jnp.asarray(rng.integers(2, 64, (2, length)), jnp.int32)
   reference = _forward_and_steps(variables, encoder_tokens, decoder_tokens, name=name,
                                  num_steps=num_steps)
-  result = _forward_and_steps(transposed, encoder_tokens, decoder_tokens, name=name,
-                              num_steps=num_steps)
-  for expected, actual in zip(reference, result):
-    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
-  # The cached steps agree with the teacher-forced pass in the transposed layout too.
-  np.testing.assert_allclose(result[2], result[1], rtol=1e-5, atol=1e-5)
+  # The tiled layout (kernel_tiles where the outputs tile, kernel_t elsewhere).
+  tiled = kernel_layout.tiled_kernels(variables)
+  assert 'kernel_tiles' in str(jax.tree_util.tree_structure(tiled))
+  for layout in (transposed, tiled):
+    result = _forward_and_steps(layout, encoder_tokens, decoder_tokens, name=name,
+                                num_steps=num_steps)
+    for expected, actual in zip(reference, result):
+      np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+    # The cached steps agree with the teacher-forced pass in this layout too.
+    np.testing.assert_allclose(result[2], result[1], rtol=1e-5, atol=1e-5)
 
 
 def test_speculative_on_transposed_trees_equals_baseline_on_t5x_trees():
@@ -146,6 +154,14 @@ def test_speculative_on_transposed_trees_equals_baseline_on_t5x_trees():
                                     keys, **sampled)
   assert not np.asarray(plain.output.nonfinite_logits).any()
   np.testing.assert_array_equal(transposed.output.tokens, plain.output.tokens)
+  # Tiled trees (the CPU's decode layout where the AVX-512 build runs): the greedy
+  # speculative output is the baseline's on the same trees.
+  tiled_target = kernel_layout.tiled_kernels(target)
+  tiled_baseline = generate(tiled_target, encoder_tokens, config=target_config,
+                            max_decode_length=16)
+  tiled_fast = speculative_generate(tiled_target, kernel_layout.tiled_kernels(draft),
+                                    encoder_tokens, keys, sampling=greedy, **spec)
+  np.testing.assert_array_equal(tiled_fast.output.tokens, tiled_baseline.tokens)
 
 
 def test_writers_store_t5x_layout(tmp_path):
@@ -156,11 +172,22 @@ def test_writers_store_t5x_layout(tmp_path):
   path = t5x_checkpoints.save_t5x_checkpoint(tmp_path / 'run', transposed, step=3)
   loaded = t5x_checkpoints.load_t5x_checkpoint(path, config)
   jax.tree.map(np.testing.assert_array_equal, loaded, jax.device_get(params))
-  from_transposed = hf_checkpoints.hf_state_dict(transposed, config)
   from_t5x = hf_checkpoints.hf_state_dict(params, config)
-  assert from_transposed.keys() == from_t5x.keys()
-  for key, value in from_t5x.items():
-    np.testing.assert_array_equal(from_transposed[key], value)
+  tiled = kernel_layout.tiled_kernels({'params': params})
+  path = t5x_checkpoints.save_t5x_checkpoint(tmp_path / 'tiled', tiled, step=3)
+  jax.tree.map(np.testing.assert_array_equal, t5x_checkpoints.load_t5x_checkpoint(path, config),
+               jax.device_get(params))
+  for layout in (transposed, tiled):
+    from_layout = hf_checkpoints.hf_state_dict(layout, config)
+    assert from_layout.keys() == from_t5x.keys()
+    for key, value in from_t5x.items():
+      np.testing.assert_array_equal(from_layout[key], value)
+  # Round trips through the tiled layout are exact and idempotent.
+  jax.tree.map(np.testing.assert_array_equal, kernel_layout.t5x_kernels(tiled)['params'],
+               jax.device_get(params))
+  jax.tree.map(np.testing.assert_array_equal, kernel_layout.tiled_kernels(tiled)['params'],
+               tiled['params'])
+  assert kernel_layout.has_transposed_kernels(tiled)
 
 
 def test_check_params_accepts_both_layouts_and_names_t5x_paths():
@@ -168,6 +195,7 @@ def test_check_params_accepts_both_layouts_and_names_t5x_paths():
   config = get_config(name)
   transposed = kernel_layout.transposed_kernels({'params': _variables(name)['params']})
   check_params(transposed, config)
+  check_params(kernel_layout.tiled_kernels(transposed), config)
   check_params(_variables(name)['params'], config)
   wrong = _flat(transposed['params'])
   # A kernel_t stored [in, out] by mistake (not square here: 32 -> 48).

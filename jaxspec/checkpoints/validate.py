@@ -13,7 +13,7 @@ from jaxspec.config import T5Config
 from jaxspec.errors import InvalidSetting
 from jaxspec.model import abstract_params
 from jaxspec.model.accelerator import layout as accelerator_layout
-from jaxspec.model.layers import KERNEL_PARAM, KERNEL_T_PARAM
+from jaxspec.model.layers import KERNEL_PARAM, KERNEL_T_PARAM, KERNEL_TILES_PARAM
 
 
 def flatten_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -33,10 +33,13 @@ def _shape(leaf) -> tuple[int, ...]:
 
 
 def _t5x_path_and_shape(path: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
-  """A transposed kernel's path and shape as T5X's (kernel_t [out, in] -> kernel [in, out])."""
+  """A transposed or tiled kernel's path and shape as T5X's (kernel_t [out, in] and
+  kernel_tiles [out / 16, in, 16] -> kernel [in, out])."""
   head, _, name = path.rpartition('/')
   if name == KERNEL_T_PARAM:
     return f'{head}/{KERNEL_PARAM}', shape[::-1]
+  if name == KERNEL_TILES_PARAM and len(shape) == 3:
+    return f'{head}/{KERNEL_PARAM}', (shape[1], shape[0] * shape[2])
   return path, shape
 
 

@@ -24,6 +24,9 @@ from jaxspec.model.sharding import (EMBED_AXES, HEADS_AXES, JOINED_KV_AXES, MLP_
 NEG_INF = cpu_attention.NEG_INF  # Additive mask value, as T5X.
 KERNEL_PARAM = 'kernel'  # A Dense kernel in T5X's layout [in, out].
 KERNEL_T_PARAM = 'kernel_t'  # The same kernel transposed, [out, in] (jaxspec.model.cpu.layout).
+# The same kernel tiled with the outputs in vector lanes, [out / 16, in, 16]
+# (jaxspec.model.cpu.layout's 'tiled' layout, jaxspec.model.cpu.matmul.tile_kernel).
+KERNEL_TILES_PARAM = 'kernel_tiles'
 # A decoder self-attention's query/key/value kernels stacked, [e, 3, h*d], and a gated
 # MLP's wi_0/wi_1 stacked, [e, 2, f]: one product each (jaxspec.model.accelerator.layout).
 KERNEL_QKV = 'qkv_kernel'
@@ -84,7 +87,9 @@ class Dense(nn.Module):
 
   The kernel is stored as T5X stores it, `kernel` [in_features, out_features], or
   transposed as `kernel_t` [out_features, in_features] (the decode layout for XLA:CPU,
-  made by jaxspec.model.cpu.layout); the module uses whichever the params hold.
+  made by jaxspec.model.cpu.layout), or tiled as `kernel_tiles` [out / 16, in, 16] (that
+  layout where the kernel's AVX-512 build runs, jaxspec.model.cpu.matmul.tile_kernel);
+  the module uses whichever the params hold.
   A transposed kernel applied to a few positions on CPU runs through jaxspec's few-row
   kernel (jaxspec.model.cpu.matmul) unless config.cpu_matmul is 'xla'. Params made by
   jaxspec.model.quantization hold `kernel_int8` [out, in] and `kernel_scale` [out]
@@ -107,6 +112,12 @@ class Dense(nn.Module):
                                            self.features, x.shape[-1]), jnp.int8)
       scale = self.param(KERNEL_SCALE, _existing, (self.features,), jnp.float32)
       return cpu_matmul.matmul_int8(x, kernel_int8, scale, self.config.cpu_matmul).astype(dtype)
+    if self.has_variable('params', KERNEL_TILES_PARAM):
+      tiles = self.param(KERNEL_TILES_PARAM, _existing,
+                         (self.features // cpu_matmul.FLOAT_TILE_OUTPUTS, x.shape[-1],
+                          cpu_matmul.FLOAT_TILE_OUTPUTS), param_dtype)
+      return cpu_matmul.matmul_tiled(x.astype(dtype), tiles.astype(dtype),
+                                     self.config.cpu_matmul)
     if self.has_variable('params', KERNEL_T_PARAM):
       kernel_t = param_with_axes(KERNEL_T_PARAM, _transposed_init(self.kernel_init),
                                  (self.features, x.shape[-1]), param_dtype,
@@ -119,25 +130,31 @@ class Dense(nn.Module):
 
   def decode_weights(self):
     """The params this projection decodes with, read without declaring them:
-    (KERNEL_INT8, kernel_int8, kernel_scale), (KERNEL_T_PARAM, kernel_t), or None (T5X's
+    (KERNEL_INT8, kernel_int8, kernel_scale), (KERNEL_T_PARAM, kernel_t),
+    (KERNEL_TILES_PARAM, tiles), or None (T5X's
     layout, or params not made yet: init)."""
     if self.has_variable('params', KERNEL_INT8):
       return (KERNEL_INT8, self.get_variable('params', KERNEL_INT8),
               self.get_variable('params', KERNEL_SCALE))
     if self.has_variable('params', KERNEL_T_PARAM):
       return (KERNEL_T_PARAM, self.get_variable('params', KERNEL_T_PARAM))
+    if self.has_variable('params', KERNEL_TILES_PARAM):
+      return (KERNEL_TILES_PARAM, self.get_variable('params', KERNEL_TILES_PARAM))
     return None
 
 
 def project_together(x, projections, config: T5Config):
   """(projection(x) for projection in projections), Dense modules over the same x
   [..., in]: ONE call of the few-row kernel where they all hold transposed (or all
-  int8) kernels and it applies (jaxspec.model.cpu.matmul.matmuls_transposed /
+  tiled, or all int8) kernels and it applies (jaxspec.model.cpu.matmul.matmuls_transposed /
   matmuls_int8: results bit-identical to separate calls), else each on its own."""
   weights = [projection.decode_weights() for projection in projections]
   dtype = config.compute_dtype
   if all(w is not None and w[0] == KERNEL_T_PARAM for w in weights):
     return cpu_matmul.matmuls_transposed(
+        x.astype(dtype), [w[1].astype(dtype) for w in weights], config.cpu_matmul)
+  if all(w is not None and w[0] == KERNEL_TILES_PARAM for w in weights):
+    return cpu_matmul.matmuls_tiled(
         x.astype(dtype), [w[1].astype(dtype) for w in weights], config.cpu_matmul)
   if all(w is not None and w[0] == KERNEL_INT8 for w in weights):
     return tuple(y.astype(dtype) for y in cpu_matmul.matmuls_int8(

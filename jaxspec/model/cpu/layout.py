@@ -14,14 +14,22 @@ included). `jaxspec.model.layers.Dense` uses whichever key the params hold, so e
 decoder and drafter accepts both trees. Checkpoint writers and exporters store T5X's
 layout (`t5x_kernels` first), and `check_params` compares in T5X's layout.
 
-The third layout, 'fused' (jaxspec.model.accelerator.layout), keeps T5X's orientation
+The 'tiled' layout is the transposed one with each kernel whose outputs are a multiple
+of 16 stored as `kernel_tiles` [out / 16, in, 16] (jaxspec.model.cpu.matmul.tile_kernel):
+the few-row kernel's AVX-512 build sums each output in a vector lane of its own, which
+makes a verify step's rows cheaper than in [out, in] (docs/performance.md). It is the
+CPU's decode layout where that build runs.
+
+The fourth layout, 'fused' (jaxspec.model.accelerator.layout), keeps T5X's orientation
 and stacks each decoder layer's self-attention q/k/v and gated MLP wi_0/wi_1 into one
 kernel each, so a decode step on a GPU or TPU runs two products where T5X's layout runs
 five (a small model's step there is bound by the kernels it launches).
 
-  for_decoding(params)     -> transposed on CPU, fused elsewhere (call once, after loading)
+  for_decoding(params)     -> tiled (AVX-512) or transposed on CPU, fused elsewhere (call
+                              once, after loading)
   transposed_kernels(tree) -> every kernel as kernel_t [out, in]
-  t5x_kernels(tree)        -> every kernel as T5X's kernel [in, out], none stacked
+  tiled_kernels(tree)      -> kernel_tiles [out / 16, in, 16] where out tiles, else kernel_t
+  t5x_kernels(tree)        -> every kernel as T5X's kernel [in, out], none stacked or tiled
   fused_kernels(tree)      -> T5X's orientation with the decoder's q/k/v and wi_0/wi_1 stacked
 """
 
@@ -33,19 +41,26 @@ import jax
 import numpy as np
 
 from jaxspec.model.accelerator import layout as accelerator_layout
-from jaxspec.model.layers import KERNEL_PARAM, KERNEL_T_PARAM
+from jaxspec.model.cpu import matmul as cpu_matmul
+from jaxspec.model.layers import KERNEL_PARAM, KERNEL_T_PARAM, KERNEL_TILES_PARAM
 
 T5X = 't5x'  # kernel [in, out]
 TRANSPOSED = 'transposed'  # kernel_t [out, in]
 FUSED = 'fused'  # kernel [in, out]; the decoder's q/k/v and wi_0/wi_1 stacked
-LAYOUTS = (T5X, TRANSPOSED, FUSED)
+# kernel_tiles [out / 16, in, 16] where out is a multiple of 16, else kernel_t
+TILED = 'tiled'
+LAYOUTS = (T5X, TRANSPOSED, FUSED, TILED)
 
 
 def decode_layout(platform: str | None = None) -> str:
-  """The faster layout for decoding on `platform` (default: JAX's default backend): the
-  transposed kernels jaxspec's CPU kernels read, or on a GPU or TPU the fused one."""
+  """The faster layout for decoding on `platform` (default: JAX's default backend): on
+  the CPU the kernels jaxspec's CPU kernels read, tiled where their AVX-512 build runs
+  (cpu_matmul.tiled_floats_apply) and transposed elsewhere; on a GPU or TPU the fused
+  one."""
   platform = platform or jax.default_backend()
-  return TRANSPOSED if platform == 'cpu' else FUSED
+  if platform != 'cpu':
+    return FUSED
+  return TILED if platform == jax.default_backend() and cpu_matmul.tiled_floats_apply() else TRANSPOSED
 
 
 def _transpose_leaf(leaf):
@@ -87,19 +102,67 @@ def _convert(variables: Mapping[str, Any], old: str, new: str) -> dict:
   return converted
 
 
+def _untiled(params: Mapping[str, Any]) -> Mapping[str, Any]:
+  """Every `kernel_tiles` back to `kernel_t` [out, in] (params or variables)."""
+  def untile(tree):
+    return _rename_kernels(tree, KERNEL_TILES_PARAM, KERNEL_T_PARAM, _untile_leaf)
+  if 'params' not in params:
+    return untile(params)
+  return {**params, 'params': untile(params['params'])}
+
+
+def _untile_leaf(leaf):
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    count, inputs, lanes = leaf.shape
+    return jax.ShapeDtypeStruct((count * lanes, inputs), leaf.dtype, sharding=None)
+  return cpu_matmul.untile_kernel(leaf)
+
+
+def _tile_tree(tree: Any) -> Any:
+  """Each `kernel_t` leaf that tiles (cpu_matmul.tileable) as `kernel_tiles`."""
+  if not isinstance(tree, Mapping):
+    return tree
+  tiled = {}
+  for key, value in tree.items():
+    if key == KERNEL_T_PARAM and not isinstance(value, Mapping) and cpu_matmul.tileable(value):
+      if isinstance(value, jax.ShapeDtypeStruct):
+        out, inputs = value.shape
+        tiled[KERNEL_TILES_PARAM] = jax.ShapeDtypeStruct(
+            (out // cpu_matmul.FLOAT_TILE_OUTPUTS, inputs, cpu_matmul.FLOAT_TILE_OUTPUTS),
+            value.dtype, sharding=None)
+      else:
+        tiled[KERNEL_TILES_PARAM] = cpu_matmul.tile_kernel(value)
+    else:
+      tiled[key] = _tile_tree(value)
+  return tiled
+
+
 def transposed_kernels(params: Mapping[str, Any]) -> dict:
   """Every `kernel` [in, out] as `kernel_t` [out, in]; other leaves as they are.
 
   params: the 'params' collection or variables {'params', 'params_axes'?}. Kernels
-  already transposed stay so, so the call is idempotent; stacked kernels are unstacked.
+  already transposed stay so, so the call is idempotent; stacked kernels are unstacked,
+  tiled ones untiled.
   """
-  return _convert(accelerator_layout.unfused_kernels(params), KERNEL_PARAM, KERNEL_T_PARAM)
+  return _convert(_untiled(accelerator_layout.unfused_kernels(params)), KERNEL_PARAM,
+                  KERNEL_T_PARAM)
 
 
 def t5x_kernels(params: Mapping[str, Any]) -> dict:
-  """Every `kernel_t` [out, in] back to T5X's `kernel` [in, out] and every stacked kernel
-  back to its parts (idempotent)."""
-  return _convert(accelerator_layout.unfused_kernels(params), KERNEL_T_PARAM, KERNEL_PARAM)
+  """Every `kernel_t` [out, in] back to T5X's `kernel` [in, out] and every stacked or
+  tiled kernel back to its parts (idempotent)."""
+  return _convert(_untiled(accelerator_layout.unfused_kernels(params)), KERNEL_T_PARAM,
+                  KERNEL_PARAM)
+
+
+def tiled_kernels(params: Mapping[str, Any]) -> dict:
+  """The transposed layout with every kernel_t whose outputs are a multiple of 16 tiled
+  as `kernel_tiles` [out / 16, in, 16] (cpu_matmul.tile_kernel; idempotent). Variables'
+  params_axes keep the kernel_t entries they had (a tiled kernel is never sharded)."""
+  transposed = transposed_kernels(params)
+  if 'params' not in transposed:
+    return _tile_tree(transposed)
+  return {**transposed, 'params': _tile_tree(transposed['params'])}
 
 
 def fused_kernels(params: Mapping[str, Any]) -> dict:
@@ -109,19 +172,23 @@ def fused_kernels(params: Mapping[str, Any]) -> dict:
 
 
 def has_transposed_kernels(params: Mapping[str, Any]) -> bool:
-  """Whether any kernel of the tree is stored as `kernel_t`."""
+  """Whether any kernel of the tree is stored as `kernel_t` (or tiled from it)."""
   found = []
-  _rename_kernels(params, KERNEL_T_PARAM, KERNEL_T_PARAM, lambda leaf: found.append(leaf) or leaf)
+  for key in (KERNEL_T_PARAM, KERNEL_TILES_PARAM):
+    _rename_kernels(params, key, key, lambda leaf: found.append(leaf) or leaf)
   return bool(found)
 
 
 def to_layout(params: Mapping[str, Any], layout: str) -> dict:
-  """params in `layout`: 't5x' (kernel [in, out]), 'transposed' (kernel_t [out, in]) or
-  'fused' (T5X's, the decoder's q/k/v and wi_0/wi_1 stacked)."""
+  """params in `layout`: 't5x' (kernel [in, out]), 'transposed' (kernel_t [out, in]),
+  'fused' (T5X's, the decoder's q/k/v and wi_0/wi_1 stacked) or 'tiled' (kernel_tiles
+  [out / 16, in, 16] where out tiles, else kernel_t)."""
   if layout == T5X:
     return t5x_kernels(params)
   if layout == TRANSPOSED:
     return transposed_kernels(params)
+  if layout == TILED:
+    return tiled_kernels(params)
   if layout == FUSED:
     return fused_kernels(params)
   raise ValueError(f'kernel layout must be one of {LAYOUTS}, got {layout!r}')

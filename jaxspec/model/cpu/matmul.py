@@ -327,10 +327,64 @@ def flags_of(rows_shape):
   return jnp.broadcast_to(active, rows_shape).reshape(rows).astype(jnp.int32)
 
 
+# Float32 weights tiled with the outputs in the vector lanes, [out / 16, in, 16]: the
+# kernel's AVX-512 build sums each output over its inputs in order, one lane an output,
+# with no sum across lanes, and loads each weight vector once for up to 12 rows, so a
+# verify step's rows cost less than in the [out, in] form (docs/performance.md; the
+# sums differ from that form's by float32 rounding). jaxspec.model.cpu.layout stores the
+# decode layout's kernels so (`kernel_tiles`) where tiled_floats_apply().
+FLOAT_TILE_OUTPUTS = 16
+
+
+def tiled_floats_apply() -> bool:
+  """Whether float32 products here run through the kernel's tiled form: the CPU, the
+  kernel built, for AVX-512."""
+  return use_kernel(KERNEL) and kernel_isa() == 'avx512'
+
+
+def tileable(w_t) -> bool:
+  """Whether weights w_t [out, in] tile (tile_kernel): out a multiple of 16."""
+  return w_t.ndim == 2 and w_t.shape[0] > 0 and w_t.shape[0] % FLOAT_TILE_OUTPUTS == 0
+
+
+def tile_kernel(w_t):
+  """w_t [out, in] (tileable) -> tiles [out / 16, in, 16]: element [t, i, l] is
+  w_t[16 t + l, i], each tile's 16 outputs side by side for each input."""
+  out, inputs = w_t.shape
+  tiles = w_t.reshape(out // FLOAT_TILE_OUTPUTS, FLOAT_TILE_OUTPUTS, inputs)
+  if isinstance(w_t, jax.Array):
+    return jnp.transpose(tiles, (0, 2, 1))
+  return np.ascontiguousarray(np.asarray(tiles).transpose(0, 2, 1))
+
+
+def untile_kernel(tiles):
+  """tiles [out / 16, in, 16] -> w_t [out, in] (the inverse of tile_kernel)."""
+  count, inputs, lanes = tiles.shape
+  if isinstance(tiles, jax.Array):
+    return jnp.transpose(tiles, (0, 2, 1)).reshape(count * lanes, inputs)
+  return np.ascontiguousarray(np.asarray(tiles).transpose(0, 2, 1).reshape(count * lanes, inputs))
+
+
+def _outputs(w):
+  """The outputs of float32 weights [out, in] or tiled [out / 16, in, 16]."""
+  return w.shape[0] * (FLOAT_TILE_OUTPUTS if w.ndim == 3 else 1)
+
+
+def xla_matmul_tiled(x, tiles):
+  """x [..., in] against tiles [out / 16, in, 16] through XLA -> [..., out]."""
+  y = jnp.einsum('...i,til->...tl', x, tiles)  # [..., out / 16, 16]
+  return y.reshape(x.shape[:-1] + (_outputs(tiles),))
+
+
+def _xla_product(x, w):
+  """x [..., in] against w [out, in] or tiled through XLA -> [..., out]."""
+  return xla_matmul_tiled(x, w) if w.ndim == 3 else xla_matmul_transposed(x, w)
+
+
 @jax.custom_jvp
 def _kernel_matmul(x, w_t, active):
   return jax.ffi.ffi_call(TARGET_NAME,
-                          jax.ShapeDtypeStruct(x.shape[:-1] + (w_t.shape[0],), jnp.float32),
+                          jax.ShapeDtypeStruct(x.shape[:-1] + (_outputs(w_t),), jnp.float32),
                           vmap_method='sequential')(x, w_t, active)
 
 
@@ -338,8 +392,7 @@ def _kernel_matmul(x, w_t, active):
 def _kernel_matmul_jvp(primals, tangents):
   x, w_t, active = primals
   dx, dw_t, _ = tangents
-  return (_kernel_matmul(x, w_t, active),
-          xla_matmul_transposed(dx, w_t) + xla_matmul_transposed(x, dw_t))
+  return (_kernel_matmul(x, w_t, active), _xla_product(dx, w_t) + _xla_product(x, dw_t))
 
 
 def few_row_matmul(x, w_t):
@@ -365,6 +418,22 @@ def matmul_transposed(x, w_t, cpu_matmul: str = KERNEL):
   if applies(x, w_t) and use_kernel(cpu_matmul):
     return few_row_matmul(x, w_t)
   return xla_matmul_transposed(x, w_t)
+
+
+def applies_tiled(x, tiles) -> bool:
+  """Whether the kernel can compute x [..., in] against tiles [out / 16, in, 16]: any
+  number of rows (the tiled form outruns XLA's product at every width measured)."""
+  return (x.dtype == jnp.float32 and tiles.dtype == jnp.float32 and tiles.ndim == 3
+          and tiles.shape[2] == FLOAT_TILE_OUTPUTS and x.ndim >= 1
+          and x.shape[-1] == tiles.shape[1] and int(np.prod(x.shape[:-1])) >= 1)
+
+
+def matmul_tiled(x, tiles, cpu_matmul: str = KERNEL):
+  """x [..., in] against float32 tiles [out / 16, in, 16] -> [..., out]: the kernel where
+  its tiled form runs, else XLA (same results up to float32 rounding)."""
+  if applies_tiled(x, tiles) and use_kernel(cpu_matmul) and tiled_floats_apply():
+    return few_row_matmul(x, tiles)
+  return xla_matmul_tiled(x, tiles)
 
 
 def quantize_activations(x):
@@ -436,6 +505,16 @@ def applies_int8(x, w_q, scale) -> bool:
           and x.ndim >= 1 and x.shape[-1] == inputs and kernel_takes(rows))
 
 
+def matmuls_tiled(x, tiles, cpu_matmul: str = KERNEL):
+  """(matmul_tiled(x, t) for t in tiles): one kernel call for 2 or 3 tiled matrices where
+  the tiled form runs, else one product each."""
+  tiles = tuple(tiles)
+  if (len(tiles) in MANY_TARGET_NAMES and all(applies_tiled(x, t) for t in tiles)
+      and use_kernel(cpu_matmul) and tiled_floats_apply()):
+    return few_row_matmuls(x, tiles)
+  return tuple(matmul_tiled(x, t, cpu_matmul) for t in tiles)
+
+
 def few_row_matmul_int8(x, w_q, scale):
   """(x [..., in] @ w_q [out, in]^T) * scale [out] through the kernel (applies_int8)."""
   def compute(rows, flags):
@@ -473,7 +552,7 @@ def _many_shapes(x, outs):
 @jax.custom_jvp
 def _kernel_matmuls(x, w_ts, active):
   return tuple(jax.ffi.ffi_call(MANY_TARGET_NAMES[len(w_ts)],
-                                _many_shapes(x, [w.shape[0] for w in w_ts]),
+                                _many_shapes(x, [_outputs(w) for w in w_ts]),
                                 vmap_method='sequential')(x, *w_ts, active))
 
 
@@ -482,8 +561,7 @@ def _kernel_matmuls_jvp(primals, tangents):
   x, w_ts, active = primals
   dx, dw_ts, _ = tangents
   return (_kernel_matmuls(x, w_ts, active),
-          tuple(xla_matmul_transposed(dx, w) + xla_matmul_transposed(x, dw)
-                for w, dw in zip(w_ts, dw_ts)))
+          tuple(_xla_product(dx, w) + _xla_product(x, dw) for w, dw in zip(w_ts, dw_ts)))
 
 
 def few_row_matmuls(x, w_ts):

@@ -217,19 +217,6 @@ void SplitOutputs(ffi::ThreadPool& pool, int64_t out, const OutputRange& outputs
   while (parts->finished.load(std::memory_order_acquire) < num_parts) _mm_pause();
 }
 
-// The rows of x [..., in] (x_count elements) against w [out, in]; an error unless x's
-// last dimension is w's `in`. Any number of rows (ComputeMatmuls groups them).
-ffi::Error RowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
-                  ffi::Span<const int64_t> w_dims, int64_t* rows) {
-  if (w_dims.size() != 2) return ffi::Error::InvalidArgument("w must be [out, in]");
-  const int64_t in = w_dims[1];
-  if (x_dims.size() < 1 || x_dims.back() != in)
-    return ffi::Error::InvalidArgument("x [..., in] does not match w [out, in]");
-  *rows = in == 0 ? 0 : x_count / in;
-  return ffi::Error::Success();
-}
-
-
 // ---- int8 weights and int8 activations (JaxspecFewRowMatmulInt8) ----
 // y[n, o] = float(sum_i xq[n, i] * w[o, i]) * scale[o] * xs[n] for int8 w [out, in] with
 // a float32 scale per output (jaxspec.model.quantization), where each row of x is
@@ -541,6 +528,99 @@ void Int8TiledOutputs(const QuantizedRows&, const int8_t*, const float*, float*,
 #endif
 
 
+// ---- Tiled float32 weights: outputs in the vector lanes ----
+// w [out / 16, in, 16] (jaxspec.model.cpu.matmul.tile_kernel): tile t holds outputs
+// 16t..16t+15 and, for each input i, their 16 weights side by side, so one vector holds
+// 16 outputs' weights of one input and one FMA adds x[n, i] times them to 16 outputs'
+// sums, x[n, i] broadcast. Each output has one accumulator lane, summed over i in input
+// order (one FMA an input), whatever the rows, the register blocks or the thread split:
+// row n of a k-row product is bit-identical to the one-row product of x[n]. No sum across
+// lanes, and each weight vector is loaded once for up to 12 rows, so a verify step's
+// rows cost less compute than the [out, in] form's (results/kernels/
+// float32_lanes_prototype.json). The sums differ from the [out, in] form's by float32
+// rounding (another order of summation).
+constexpr int64_t kFloatTileOutputs = 16;
+#if defined(__AVX512F__)
+constexpr bool kFloatTiles = true;
+// Lines of a tile's stream fetched ahead of its loads (2 KB): the hardware's prefetch
+// alone left the stream short of memory's bandwidth at 5-10 rows.
+constexpr int64_t kTilePrefetchInputs = 32;
+
+// y[n + c, 16 (t + r) + l] for r < R, c < C: R tiles against rows n..n+C-1 of x.
+template <int R, int C>
+inline void TileBlock(const float* x, const float* tiles, float* y, int64_t in, int64_t out,
+                      int64_t t, int64_t n) {
+  __m512 acc[R][C];
+  const float* tile[R];
+  const float* xc[C];
+  for (int r = 0; r < R; ++r) tile[r] = tiles + (t + r) * in * kFloatTileOutputs;
+  for (int c = 0; c < C; ++c) xc[c] = x + (n + c) * in;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < in; ++i) {
+    __m512 w[R];
+    for (int r = 0; r < R; ++r) {
+      // Prefetches never fault: past a tile's end they fetch the next tile's lines.
+      _mm_prefetch(reinterpret_cast<const char*>(
+                       tile[r] + (i + kTilePrefetchInputs) * kFloatTileOutputs),
+                   _MM_HINT_T0);
+      w[r] = _mm512_loadu_ps(tile[r] + i * kFloatTileOutputs);
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 xv = _mm512_set1_ps(xc[c][i]);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(w[r], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(y + (n + c) * out + (t + r) * kFloatTileOutputs, acc[r][c]);
+}
+
+// TileBlock<R, count> for count in 1..C.
+template <int R, int C>
+inline void TileBlockOf(int count, const float* x, const float* tiles, float* y, int64_t in,
+                        int64_t out, int64_t t, int64_t n) {
+  if constexpr (C > 1) {
+    if (count < C) return TileBlockOf<R, C - 1>(count, x, tiles, y, in, out, t, n);
+  }
+  TileBlock<R, C>(x, tiles, y, in, out, t, n);
+}
+
+// Tiles [begin, end) of R at a time against every row, in passes of (nearly) equal size
+// of at most C rows each.
+template <int R, int C>
+int64_t TileBlocks(const float* x, const float* tiles, float* y, int64_t rows, int64_t in,
+                   int64_t out, int64_t t, int64_t end) {
+  const int64_t passes = (rows + C - 1) / C;
+  const int64_t per_pass = (rows + passes - 1) / passes;
+  for (; t + R <= end; t += R)
+    for (int64_t n = 0; n < rows; n += per_pass)
+      TileBlockOf<R, C>(static_cast<int>(std::min(per_pass, rows - n)), x, tiles, y, in, out,
+                        t, n);
+  return t;
+}
+
+// y[:, 16 begin..16 end) for all rows. The register blocks (tiles x rows) were the
+// fastest measured: 8 x 1 for one row (eight sums in flight hide the FMA's latency),
+// 4 x 6 for 2..6 rows, 2 x 12 for more (a 10-position verify step in one pass).
+void TiledOutputs(const float* x, const float* tiles, float* y, int64_t rows, int64_t in,
+                  int64_t out, int64_t begin, int64_t end) {
+  int64_t t = begin;
+  if (rows == 1) {
+    t = TileBlocks<8, 1>(x, tiles, y, rows, in, out, t, end);
+  } else if (rows <= 6) {
+    t = TileBlocks<4, 6>(x, tiles, y, rows, in, out, t, end);
+  } else {
+    t = TileBlocks<2, 12>(x, tiles, y, rows, in, out, t, end);
+  }
+  TileBlocks<1, 12>(x, tiles, y, rows, in, out, t, end);
+}
+#else
+constexpr bool kFloatTiles = false;  // jaxspec.model.cpu.matmul tiles for AVX-512 only
+void TiledOutputs(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                  int64_t) {}
+#endif
+
 // ---- One or several weight matrices against the same rows (JaxspecFewRowMatmul,
 // JaxspecFewRowMatmul2/3 and their int8 forms) ----
 // A layer's query, key and value projections, and the MLP's two input projections, read
@@ -560,19 +640,6 @@ void OverMatrices(const int64_t (&out)[N], int64_t begin, int64_t end, const Per
     if (first < last) f(k, first - offset, last - offset);
     offset += out[k];
   }
-}
-
-// Rows of x against matrices with dims w_dims[k] (all [out_k, in] with one `in`).
-template <int N>
-ffi::Error ManyRowsOf(ffi::Span<const int64_t> x_dims, int64_t x_count,
-                      const ffi::Span<const int64_t> (&w_dims)[N], int64_t (&out)[N],
-                      int64_t* rows) {
-  for (int k = 0; k < N; ++k) {
-    if (ffi::Error error = RowsOf(x_dims, x_count, w_dims[k], rows); error.failure())
-      return error;
-    out[k] = w_dims[k][0];
-  }
-  return ffi::Error::Success();
 }
 
 // ---- Rows that need no product ----
@@ -627,18 +694,49 @@ void OnActiveRows(const ActiveRows& active_rows, const float* xp, int64_t rows, 
 // the rows (a decode step of any width; jaxspec.model.cpu.matmul.decode_step).
 template <int N>
 void ComputeMatmuls(ffi::ThreadPool& pool, const float* xp, int64_t rows, int64_t in,
-                    const float* const (&w)[N], const int64_t (&out)[N], float* const (&y)[N]) {
+                    const float* const (&w)[N], const int64_t (&out)[N], float* const (&y)[N],
+                    bool tiled = false) {
   int64_t total = 0;
   for (int k = 0; k < N; ++k) total += out[k];
   const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t per_group = (rows + groups - 1) / groups;
   SplitOutputs(pool, total, [&](int64_t begin, int64_t end) {
     OverMatrices<N>(out, begin, end, [&](int k, int64_t first, int64_t last) {
-      for (int64_t n = 0; n < rows; n += per_group)
-        Outputs(xp + n * in, w[k], y[k] + n * out[k], std::min(per_group, rows - n), in,
-                out[k], first, last);
+      for (int64_t n = 0; n < rows; n += per_group) {
+        const int64_t count = std::min(per_group, rows - n);
+        if (tiled) {
+          TiledOutputs(xp + n * in, w[k], y[k] + n * out[k], count, in, out[k],
+                       first / kFloatTileOutputs, last / kFloatTileOutputs);
+        } else {
+          Outputs(xp + n * in, w[k], y[k] + n * out[k], count, in, out[k], first, last);
+        }
+      }
     });
-  });
+  }, tiled ? kFloatTileOutputs : 8);
+}
+
+// The float32 matrices' outputs and input: all [out_k, in], or all tiled
+// [out_k / 16, in, 16] (the AVX-512 build only).
+template <int N>
+ffi::Error FloatShapes(const ffi::Buffer<ffi::F32>* const (&w)[N], int64_t (&out)[N],
+                       int64_t* in, bool* tiled) {
+  *tiled = w[0]->dimensions().size() == 3;
+  for (int k = 0; k < N; ++k) {
+    const ffi::Span<const int64_t> dims = w[k]->dimensions();
+    if (!*tiled) {
+      if (dims.size() != 2) return ffi::Error::InvalidArgument("w must be [out, in] or tiled");
+      out[k] = dims[0];
+    } else {
+      if (!kFloatTiles)
+        return ffi::Error::InvalidArgument("tiled float32 weights need the AVX-512 build");
+      if (dims.size() != 3 || dims[2] != kFloatTileOutputs)
+        return ffi::Error::InvalidArgument("tiled w must be [out / 16, in, 16]");
+      out[k] = dims[0] * kFloatTileOutputs;
+    }
+    if (k == 0) *in = dims[1];
+    if (dims[1] != *in) return ffi::Error::InvalidArgument("the matrices' inputs differ");
+  }
+  return ffi::Error::Success();
 }
 
 template <int N>
@@ -646,15 +744,15 @@ ffi::Error ManyMatmuls(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
                        const ffi::Buffer<ffi::F32>* const (&w)[N],
                        const ffi::Buffer<ffi::S32>& active,
                        ffi::ResultBuffer<ffi::F32>* const (&y)[N]) {
-  ffi::Span<const int64_t> w_dims[N];
-  for (int k = 0; k < N; ++k) w_dims[k] = w[k]->dimensions();
-  int64_t out[N], rows = 0;
-  if (ffi::Error error = ManyRowsOf<N>(x.dimensions(), x.element_count(), w_dims, out, &rows);
-      error.failure())
-    return error;
+  int64_t out[N], in = 0;
+  bool tiled = false;
+  if (ffi::Error error = FloatShapes<N>(w, out, &in, &tiled); error.failure()) return error;
+  const ffi::Span<const int64_t> x_dims = x.dimensions();
+  if (x_dims.size() < 1 || x_dims.back() != in)
+    return ffi::Error::InvalidArgument("x [..., in] does not match w's in");
+  const int64_t rows = in == 0 ? 0 : x.element_count() / in;
   if (active.element_count() != rows)
     return ffi::Error::InvalidArgument("active must hold one flag per row of x");
-  const int64_t in = w_dims[0][1];
   float* y_ptrs[N];
   const float* w_ptrs[N];
   for (int k = 0; k < N; ++k) {
@@ -665,11 +763,11 @@ ffi::Error ManyMatmuls(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
   if (in == 0) return ffi::Error::Success();
   thread_local ActiveRows active_rows;
   if (AllActive(active.typed_data(), rows, &active_rows)) {
-    ComputeMatmuls<N>(pool, x.typed_data(), rows, in, w_ptrs, out, y_ptrs);
+    ComputeMatmuls<N>(pool, x.typed_data(), rows, in, w_ptrs, out, y_ptrs, tiled);
   } else {
     OnActiveRows<N>(active_rows, x.typed_data(), rows, in, out, y_ptrs,
                     [&](const float* xp, int64_t count, float* const (&yp)[N]) {
-                      ComputeMatmuls<N>(pool, xp, count, in, w_ptrs, out, yp);
+                      ComputeMatmuls<N>(pool, xp, count, in, w_ptrs, out, yp, tiled);
                     });
   }
   return ffi::Error::Success();
