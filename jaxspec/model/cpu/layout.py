@@ -60,7 +60,8 @@ def decode_layout(platform: str | None = None) -> str:
   platform = platform or jax.default_backend()
   if platform != 'cpu':
     return FUSED
-  return TILED if platform == jax.default_backend() and cpu_matmul.tiled_floats_apply() else TRANSPOSED
+  tiles_run_here = platform == jax.default_backend() and cpu_matmul.tiled_floats_apply()
+  return TILED if tiles_run_here else TRANSPOSED
 
 
 def _transpose_leaf(leaf):

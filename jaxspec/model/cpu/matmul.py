@@ -396,7 +396,8 @@ def _kernel_matmul_jvp(primals, tangents):
 
 
 def few_row_matmul(x, w_t):
-  """x [..., in] @ w_t [out, in]^T -> [..., out] through the kernel (applies(x, w_t))."""
+  """x [..., in] @ w_t [out, in]^T -> [..., out] through the kernel (applies(x, w_t)); or
+  against tiles [out / 16, in, 16] (applies_tiled, tiled_floats_apply)."""
   return _kernel_matmul(x, w_t, row_flags(x))
 
 
@@ -422,7 +423,7 @@ def matmul_transposed(x, w_t, cpu_matmul: str = KERNEL):
 
 def applies_tiled(x, tiles) -> bool:
   """Whether the kernel can compute x [..., in] against tiles [out / 16, in, 16]: any
-  number of rows (the tiled form outruns XLA's product at every width measured)."""
+  number of rows (the tiled form outran XLA's product at every width measured, 1-64)."""
   return (x.dtype == jnp.float32 and tiles.dtype == jnp.float32 and tiles.ndim == 3
           and tiles.shape[2] == FLOAT_TILE_OUTPUTS and x.ndim >= 1
           and x.shape[-1] == tiles.shape[1] and int(np.prod(x.shape[:-1])) >= 1)
@@ -566,7 +567,7 @@ def _kernel_matmuls_jvp(primals, tangents):
 
 def few_row_matmuls(x, w_ts):
   """(x @ w_t^T for w_t in w_ts) through one kernel call: 2 or 3 float32 matrices
-  [out_k, in] that each satisfy applies(x, w_t)."""
+  [out_k, in] that each satisfy applies(x, w_t), or all tiled (applies_tiled)."""
   return _kernel_matmuls(x, tuple(w_ts), row_flags(x))
 
 
