@@ -627,19 +627,25 @@ def test_tiled_float32_in_one_call_of_several_matrices_with_ended_rows_and_gradi
   x = jnp.asarray(rng.standard_normal((3, 4, 128)).astype(np.float32))  # [b, t, in]
   tiles = [jnp.asarray(cpu_matmul.tile_kernel(rng.standard_normal((out, 128)).astype(np.float32)))
            for out in (128, 320, 64)]
-  separate = [np.asarray(cpu_matmul.matmul_tiled(x, t)) for t in tiles]
+  separate = [np.asarray(cpu_matmul.matmul_transposed(x, t)) for t in tiles]
   for k in (2, 3):
-    for got, expected in zip(cpu_matmul.matmuls_tiled(x, tiles[:k]), separate):
+    for got, expected in zip(cpu_matmul.matmuls_transposed(x, tiles[:k]), separate):
       np.testing.assert_array_equal(np.asarray(got), expected)
+  # A mix of tiled and [out, in] matrices goes one product each, as separate calls.
+  w_t = rng.standard_normal((48, 128)).astype(np.float32)
+  mixed = cpu_matmul.matmuls_transposed(x, [tiles[0], jnp.asarray(w_t)])
+  np.testing.assert_array_equal(np.asarray(mixed[0]), separate[0])
+  np.testing.assert_array_equal(np.asarray(mixed[1]),
+                                np.asarray(cpu_matmul.matmul_transposed(x, jnp.asarray(w_t))))
   active = jnp.asarray([True, False, True])
   with cpu_matmul.active_rows(active):
-    masked = jax.jit(lambda x: cpu_matmul.matmuls_tiled(x, tiles))(x)
+    masked = jax.jit(lambda x: cpu_matmul.matmuls_transposed(x, tiles))(x)
   for got, expected in zip(masked, separate):
     np.testing.assert_array_equal(np.asarray(got)[[0, 2]], expected[[0, 2]])
     assert not np.any(np.asarray(got)[1])
   # XLA where the kernel does not run (cpu_matmul 'xla'), and gradients through XLA.
-  np.testing.assert_allclose(np.asarray(cpu_matmul.matmul_tiled(x, tiles[0], 'xla')),
+  np.testing.assert_allclose(np.asarray(cpu_matmul.matmul_transposed(x, tiles[0], 'xla')),
                              separate[0], rtol=1e-5, atol=1e-5)
-  grad = jax.grad(lambda x: jnp.sum(cpu_matmul.matmul_tiled(x, tiles[1]) ** 2))(x)
+  grad = jax.grad(lambda x: jnp.sum(cpu_matmul.matmul_transposed(x, tiles[1]) ** 2))(x)
   grad_xla = jax.grad(lambda x: jnp.sum(cpu_matmul.xla_matmul_tiled(x, tiles[1]) ** 2))(x)
   np.testing.assert_allclose(np.asarray(grad), np.asarray(grad_xla), rtol=1e-4, atol=1e-4)

@@ -116,8 +116,8 @@ class Dense(nn.Module):
       tiles = self.param(KERNEL_TILES_PARAM, _existing,
                          (self.features // cpu_matmul.FLOAT_TILE_OUTPUTS, x.shape[-1],
                           cpu_matmul.FLOAT_TILE_OUTPUTS), param_dtype)
-      return cpu_matmul.matmul_tiled(x.astype(dtype), tiles.astype(dtype),
-                                     self.config.cpu_matmul)
+      return cpu_matmul.matmul_transposed(x.astype(dtype), tiles.astype(dtype),
+                                          self.config.cpu_matmul)
     if self.has_variable('params', KERNEL_T_PARAM):
       kernel_t = param_with_axes(KERNEL_T_PARAM, _transposed_init(self.kernel_init),
                                  (self.features, x.shape[-1]), param_dtype,
@@ -147,14 +147,12 @@ def project_together(x, projections, config: T5Config):
   """(projection(x) for projection in projections), Dense modules over the same x
   [..., in]: ONE call of the few-row kernel where they all hold transposed (or all
   tiled, or all int8) kernels and it applies (jaxspec.model.cpu.matmul.matmuls_transposed /
-  matmuls_int8: results bit-identical to separate calls), else each on its own."""
+  matmuls_int8: results bit-identical to separate calls; a mix of transposed and tiled
+  kernels goes one product each), else each on its own."""
   weights = [projection.decode_weights() for projection in projections]
   dtype = config.compute_dtype
-  if all(w is not None and w[0] == KERNEL_T_PARAM for w in weights):
+  if all(w is not None and w[0] in (KERNEL_T_PARAM, KERNEL_TILES_PARAM) for w in weights):
     return cpu_matmul.matmuls_transposed(
-        x.astype(dtype), [w[1].astype(dtype) for w in weights], config.cpu_matmul)
-  if all(w is not None and w[0] == KERNEL_TILES_PARAM for w in weights):
-    return cpu_matmul.matmuls_tiled(
         x.astype(dtype), [w[1].astype(dtype) for w in weights], config.cpu_matmul)
   if all(w is not None and w[0] == KERNEL_INT8 for w in weights):
     return tuple(y.astype(dtype) for y in cpu_matmul.matmuls_int8(

@@ -280,7 +280,9 @@ def _in_calls(compute, x, flags):
 
 def applies(x, w_t) -> bool:
   """Whether the kernel can compute x [..., in] @ w_t [out, in]^T (shapes and dtypes;
-  rows: decode_step)."""
+  rows: decode_step), or x against tiles [out / 16, in, 16] (applies_tiled)."""
+  if w_t.ndim == 3:
+    return applies_tiled(x, w_t)
   rows = int(np.prod(x.shape[:-1], dtype=np.int64))
   return (x.dtype == jnp.float32 and w_t.dtype == jnp.float32 and w_t.ndim == 2
           and x.ndim >= 1 and x.shape[-1] == w_t.shape[1] and kernel_takes(rows))
@@ -415,26 +417,21 @@ def exact_across_widths(dtype, cpu_matmul: str) -> bool:
 
 
 def matmul_transposed(x, w_t, cpu_matmul: str = KERNEL):
-  """x [..., in] @ w_t [out, in]^T -> [..., out]: the kernel where it applies, else XLA."""
+  """x [..., in] @ w_t [out, in]^T -> [..., out], w_t also tiled [out / 16, in, 16]: the
+  kernel where it applies, else XLA (same results up to float32 rounding)."""
   if applies(x, w_t) and use_kernel(cpu_matmul):
     return few_row_matmul(x, w_t)
-  return xla_matmul_transposed(x, w_t)
+  return _xla_product(x, w_t)
 
 
 def applies_tiled(x, tiles) -> bool:
-  """Whether the kernel can compute x [..., in] against tiles [out / 16, in, 16]: any
-  number of rows (the tiled form outran XLA's product at every width measured, 1-64)."""
+  """Whether the kernel can compute x [..., in] against tiles [out / 16, in, 16]: where
+  its tiled form runs (tiled_floats_apply), any number of rows (the tiled form outran
+  XLA's product at every width measured, 1-64)."""
   return (x.dtype == jnp.float32 and tiles.dtype == jnp.float32 and tiles.ndim == 3
           and tiles.shape[2] == FLOAT_TILE_OUTPUTS and x.ndim >= 1
-          and x.shape[-1] == tiles.shape[1] and int(np.prod(x.shape[:-1])) >= 1)
-
-
-def matmul_tiled(x, tiles, cpu_matmul: str = KERNEL):
-  """x [..., in] against float32 tiles [out / 16, in, 16] -> [..., out]: the kernel where
-  its tiled form runs, else XLA (same results up to float32 rounding)."""
-  if applies_tiled(x, tiles) and use_kernel(cpu_matmul) and tiled_floats_apply():
-    return few_row_matmul(x, tiles)
-  return xla_matmul_tiled(x, tiles)
+          and x.shape[-1] == tiles.shape[1] and int(np.prod(x.shape[:-1])) >= 1
+          and tiled_floats_apply())
 
 
 def quantize_activations(x):
@@ -506,16 +503,6 @@ def applies_int8(x, w_q, scale) -> bool:
           and x.ndim >= 1 and x.shape[-1] == inputs and kernel_takes(rows))
 
 
-def matmuls_tiled(x, tiles, cpu_matmul: str = KERNEL):
-  """(matmul_tiled(x, t) for t in tiles): one kernel call for 2 or 3 tiled matrices where
-  the tiled form runs, else one product each."""
-  tiles = tuple(tiles)
-  if (len(tiles) in MANY_TARGET_NAMES and all(applies_tiled(x, t) for t in tiles)
-      and use_kernel(cpu_matmul) and tiled_floats_apply()):
-    return few_row_matmuls(x, tiles)
-  return tuple(matmul_tiled(x, t, cpu_matmul) for t in tiles)
-
-
 def few_row_matmul_int8(x, w_q, scale):
   """(x [..., in] @ w_q [out, in]^T) * scale [out] through the kernel (applies_int8)."""
   def compute(rows, flags):
@@ -572,11 +559,12 @@ def few_row_matmuls(x, w_ts):
 
 
 def matmuls_transposed(x, w_ts, cpu_matmul: str = KERNEL):
-  """(matmul_transposed(x, w_t) for w_t in w_ts): one kernel call for 2 or 3 matrices
-  where the kernel applies to each, else one product each."""
+  """(matmul_transposed(x, w_t) for w_t in w_ts): one kernel call for 2 or 3 matrices in
+  one form ([out_k, in], or all tiled) where the kernel applies to each, else one product
+  each."""
   w_ts = tuple(w_ts)
-  if (len(w_ts) in MANY_TARGET_NAMES and all(applies(x, w) for w in w_ts)
-      and use_kernel(cpu_matmul)):
+  if (len(w_ts) in MANY_TARGET_NAMES and len({w.ndim for w in w_ts}) == 1
+      and all(applies(x, w) for w in w_ts) and use_kernel(cpu_matmul)):
     return few_row_matmuls(x, w_ts)
   return tuple(matmul_transposed(x, w, cpu_matmul) for w in w_ts)
 
