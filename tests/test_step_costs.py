@@ -29,21 +29,38 @@ def _matmul_flops(config, k):
   return 2 * k * (config.num_decoder_layers * per_layer + e * v)
 
 
+def _tiled_leaves(params):
+  return [path for path, _ in jax.tree_util.tree_leaves_with_path(params)
+          if kernel_layout.KERNEL_TILES_PARAM in jax.tree_util.keystr(path)]
+
+
 def test_variants_name_a_layout_and_a_cpu_matmul():
   params = {'params': init_params(get_config('test_tiny_1_1'), jax.random.PRNGKey(0))['params']}
   for name, (layout, cpu_matmul) in step_costs.VARIANTS.items():
     variant_params, config = step_costs.variant(params, get_config('test_tiny_1_1'), name)
     assert config.cpu_matmul == cpu_matmul
     assert kernel_layout.has_transposed_kernels(variant_params) == (
-        layout == kernel_layout.TRANSPOSED)
-  assert set(step_costs.VARIANTS) == {'t5x', 'transposed', 'kernel'}
+        layout in (kernel_layout.TRANSPOSED, kernel_layout.TILED))
+    assert bool(_tiled_leaves(variant_params)) == (layout == kernel_layout.TILED), name
+  assert set(step_costs.VARIANTS) == {'t5x', 'transposed', 'kernel', 'tiled'}
+
+
+def test_tiled_variant_measured_only_where_the_decode_layout_tiles():
+  tiles_here = kernel_layout.decode_layout('cpu') == kernel_layout.TILED
+  assert step_costs.variants_here() == (
+      ('t5x', 'transposed', 'kernel', 'tiled') if tiles_here
+      else ('t5x', 'transposed', 'kernel'))
+  assert step_costs.decode_variant() == ('tiled' if tiles_here else 'kernel')
+  # The decode variant is the layout decoding uses on this CPU.
+  layout, cpu_matmul = step_costs.VARIANTS[step_costs.decode_variant()]
+  assert (layout, cpu_matmul) == (kernel_layout.decode_layout('cpu'), 'kernel')
 
 
 def test_measure_step_costs_reports_every_variant_and_position():
   config = get_config('test_tiny_1_1')
   # Position 2 only (the script's test below runs the same steps again, from the cache).
   costs = step_costs.measure_step_costs(config, [2], setup=SETUP)
-  assert set(costs.ratio) == set(costs.cost) == set(step_costs.VARIANTS)
+  assert set(costs.ratio) == set(costs.cost) == set(step_costs.variants_here())
   for variant in costs.ratio:
     assert sorted(costs.ratio[variant]) == [1, 2]  # Position 1 is added.
     assert costs.ratio[variant][1] == 1.0
@@ -69,16 +86,21 @@ def test_script_writes_json_markdown_and_plot(tmp_path):
   results = json.loads((out / 'step_costs.json').read_text())
   assert (results['setup']['source_length'], results['setup']['cache_length']) == (6, 12)
   target = results['targets']['test_tiny_1_1']
-  assert set(target['variants']) == {'t5x', 'transposed', 'kernel'}
-  assert set(target['variants']['kernel']) == {'1', '2'}
-  assert set(results['drafts']['test_tiny_1_0']['proposal_ms']) == {'t5x', 'transposed',
-                                                                     'kernel'}
+  assert results['variants'] == list(step_costs.variants_here())
+  assert set(target['variants']) == set(step_costs.variants_here())
+  for variant in step_costs.variants_here():
+    assert set(target['variants'][variant]) == {'1', '2'}
+  assert set(results['drafts']['test_tiny_1_0']['proposal_ms']) == set(
+      step_costs.variants_here())
   int8 = target['int8_draft']
+  # The int8 draft is measured against the target in the CPU's decode layout.
+  assert int8['target_variant'] == step_costs.decode_variant()
   # Timings are not asserted (a tiny draft's proposals take microseconds): only that
   # each was measured and reported.
   assert int8['gamma'] == 2 and int8['step_ms'] > 0 and math.isfinite(int8['c'])
   table = (out / 'step_costs.md').read_text()
   assert '| test_tiny_1_1 |' in table and '| test_tiny_1_0 |' in table
+  assert f"| test_tiny_1_1 | {int8['target_variant']} | " in table
   assert (f"| 2 | {int8['proposal_ms']:.2f} ms | {int8['c']:.3f} | {int8['verify_ms']:.2f} ms | "
           f"{int8['iteration_ms']:.2f} ms | {int8['interference_ms']:+.2f} ms |") in table
   head = target['feature_head']

@@ -6,14 +6,15 @@
 For every target (a jaxspec config name; random weights, since values do not change
 a step's cost) and variant of the decode matmuls ('t5x': kernel [in, out] through XLA;
 'transposed': kernel_t [out, in] through XLA; 'kernel': kernel_t through jaxspec's
-few-row CPU kernel, jaxspec.model.cpu.matmul), the time of one cached decode step over
+few-row CPU kernel, jaxspec.model.cpu.matmul; 'tiled': kernel_tiles [out / 16, in, 16]
+through the kernel, where its AVX-512 build runs), the time of one cached decode step over
 k = 1..9 positions, all (variant, k) timed in turn within each repetition; V(k) is the
 median over repetitions of step(k) / step(1). Also XLA's FLOPs and bytes of each compiled step and the fraction of
 this machine's measured memory bandwidth and matmul throughput the step reaches, and
 each draft's proposal of gamma tokens (in each variant) against the target's one-position
 step: c of Theorem 3.8; and each target's int8 draft (jaxspec.Int8Drafter, the target's
-own decoder in int8) at --int8_gamma, against the target's step through the kernel
-(0 skips it). Writes <out>/step_costs.json, step_costs.md and v_of_k.png.
+own decoder in int8) at --int8_gamma, against the target's step in the CPU's decode
+layout ('tiled' where it runs, else 'kernel'; 0 skips it). Writes <out>/step_costs.json, step_costs.md and v_of_k.png.
 """
 
 from __future__ import annotations
@@ -35,9 +36,6 @@ from jaxspec.decoding.drafters.t5 import T5Drafter
 from jaxspec.model import init_params
 from jaxspec.sampling import SamplingConfig
 from jaxspec.launch import command
-
-VARIANTS = tuple(step_costs.VARIANTS)
-
 
 def _parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -90,11 +88,12 @@ def measure(args) -> dict:
       cache_length=args.cache_length)
   positions = [int(k) for k in _names(args.positions)]
   roofline = step_costs.machine_roofline()
+  variants = step_costs.variants_here()
   targets = {}
   for name in _names(args.targets):
-    costs = step_costs.measure_step_costs(get_config(name), positions, VARIANTS, setup)
+    costs = step_costs.measure_step_costs(get_config(name), positions, variants, setup)
     rows = {}
-    for variant in VARIANTS:
+    for variant in variants:
       rows[variant] = {}
       for k, seconds in costs.step_seconds[variant].items():
         flops, bytes_ = costs.cost[variant][k]['flops'], costs.cost[variant][k]['bytes']
@@ -105,7 +104,7 @@ def measure(args) -> dict:
             'compute_roofline_fraction': flops / seconds / roofline['flops_per_second']}
     targets[name] = {'parameters': _parameter_count(name), 'variants': rows}
     print(name, {variant: {k: round(r['V'], 2) for k, r in rows[variant].items()}
-                 for variant in VARIANTS}, flush=True)
+                 for variant in variants}, flush=True)
     if args.int8_gamma > 0:
       int8 = step_costs.measure_int8_draft_cost(get_config(name), args.int8_gamma, setup,
                                                 feature_layers=args.feature_layers)
@@ -113,7 +112,8 @@ def measure(args) -> dict:
           'gamma': int8.gamma, 'step_ms': 1e3 * int8.step_seconds,
           'verify_ms': 1e3 * int8.verify_seconds, 'proposal_ms': 1e3 * int8.proposal_seconds,
           'iteration_ms': 1e3 * int8.iteration_seconds,
-          'interference_ms': 1e3 * int8.interference_seconds, 'c': int8.c}
+          'interference_ms': 1e3 * int8.interference_seconds, 'c': int8.c,
+          'target_variant': int8.target_variant}
       if int8.feature_layers:
         targets[name]['feature_head'] = {
             'layers': int8.feature_layers, 'gamma': int8.gamma, 'weights': 'int8',
@@ -124,28 +124,29 @@ def measure(args) -> dict:
     drafts[name] = {'parameters': _parameter_count(name),
                     'proposal_ms': {variant: 1e3 * proposal_seconds(name, variant, args.gamma,
                                                                     setup)
-                                    for variant in VARIANTS}}
+                                    for variant in variants}}
   return {
       'date': datetime.date.today().isoformat(), 'cpu': machine.cpu_model(),
       'backend': jax.default_backend(), 'devices': len(jax.devices()),
       'setup': vars(setup) if hasattr(setup, '__dict__') else str(setup),
-      'gamma': args.gamma, 'roofline': roofline, 'targets': targets, 'drafts': drafts}
+      'gamma': args.gamma, 'roofline': roofline, 'variants': list(variants),
+      'targets': targets, 'drafts': drafts}
 
 
 def markdown(results: dict) -> str:
-  gamma = results['gamma']
+  gamma, variants = results['gamma'], results['variants']
   lines = [f"Step costs on {results['cpu']} ({results['backend']}, {results['devices']} "
            f"device(s)), {results['date']}. V(k) = step over k positions / step over 1 "
            'position, median over interleaved repetitions; roofline fractions of the '
            f"one-position step against {results['roofline']['bytes_per_second'] / 1e9:.1f} GB/s "
            f"and {results['roofline']['flops_per_second'] / 1e9:.0f} GFLOP/s measured here.", '']
-  positions = sorted(next(iter(results['targets'].values()))['variants'][VARIANTS[0]])
+  positions = sorted(next(iter(results['targets'].values()))['variants'][variants[0]])
   lines.append('| target | params | variant | 1-position step | vs t5x | memory roofline | '
                + ' | '.join(f'V({k})' for k in positions if k > 1) + ' |')
   lines.append('|---' * (6 + len(positions) - 1) + '|')
   for name, target in results['targets'].items():
-    reference = target['variants'][VARIANTS[0]][positions[0]]['step_ms']
-    for variant in VARIANTS:
+    reference = target['variants'][variants[0]][positions[0]]['step_ms']
+    for variant in variants:
       rows = target['variants'][variant]
       one = rows[positions[0]]
       lines.append(f"| {name} | {target['parameters'] / 1e6:.1f}M | {variant} | "
@@ -158,7 +159,7 @@ def markdown(results: dict) -> str:
             + ' | '.join(f'c vs {name}' for name in results['targets']) + ' |',
             '|---' * (4 + len(results['targets'])) + '|']
   for name, draft in results['drafts'].items():
-    for variant in VARIANTS:
+    for variant in variants:
       proposal = draft['proposal_ms'][variant]
       cs = [proposal / gamma / target['variants'][variant][positions[0]]['step_ms']
             for target in results['targets'].values()]
@@ -168,17 +169,20 @@ def markdown(results: dict) -> str:
           if 'int8_draft' in target}
   if int8:
     lines += ['', "Each target's int8 draft (its own decoder in int8 over its encoding, "
-              "jaxspec.Int8Drafter) through the kernel, interleaved with the target's "
+              "jaxspec.Int8Drafter) through the kernel, the target in the CPU's decode layout "
+              "(the variant column), interleaved with the target's "
               'steps over 1 and gamma + 1 positions and with iterations of a proposal and '
               'a verify step in a loop (medians over repetitions; "interference": what an '
               'iteration costs beyond its proposal and verify step timed apart); the bytes '
               "a float32 step accesses by XLA's cost analysis:", '',
-              '| target | bytes a step | 1-position step | gamma | int8 proposal | c | '
+              '| target | variant | bytes a step | 1-position step | gamma | int8 proposal | c | '
               'verify step | iteration | interference |',
-              '|---|---|---|---|---|---|---|---|---|']
+              '|---|---|---|---|---|---|---|---|---|---|']
     for name, draft in int8.items():
-      step_bytes = results['targets'][name]['variants']['kernel'][positions[0]]['bytes']
-      lines.append(f"| {name} | {step_bytes / 1e6:.0f} MB | {draft['step_ms']:.2f} ms | "
+      target_variant = draft['target_variant']
+      step_bytes = results['targets'][name]['variants'][target_variant][positions[0]]['bytes']
+      lines.append(f"| {name} | {target_variant} | {step_bytes / 1e6:.0f} MB | "
+                   f"{draft['step_ms']:.2f} ms | "
                    f"{draft['gamma']} | {draft['proposal_ms']:.2f} ms | {draft['c']:.3f} | "
                    f"{draft['verify_ms']:.2f} ms | {draft['iteration_ms']:.2f} ms | "
                    f"{draft['interference_ms']:+.2f} ms |")
@@ -197,16 +201,20 @@ def markdown(results: dict) -> str:
   return '\n'.join(lines) + '\n'
 
 
+PLOT_STYLES = {'t5x': ':', 'transposed': '--', 'kernel': '-', 'tiled': '-.'}
+
+
 def plot(results: dict, path: str) -> None:
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   figure, axis = plt.subplots(figsize=(6, 4))
   for name, target in results['targets'].items():
-    for variant, style in zip(VARIANTS, (':', '--', '-')):
+    for variant in results['variants']:
       rows = target['variants'][variant]
       ks = sorted(rows)
-      axis.plot(ks, [rows[k]['V'] for k in ks], style, marker='o', label=f'{name} {variant}')
+      axis.plot(ks, [rows[k]['V'] for k in ks], PLOT_STYLES[variant], marker='o',
+                label=f'{name} {variant}')
   axis.axhline(1.0, color='gray', linewidth=0.5)
   axis.set_xlabel('positions per decode step (gamma + 1)')
   axis.set_ylabel('V(k) = step(k) / step(1)')

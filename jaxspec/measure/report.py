@@ -166,7 +166,8 @@ def _int8_step_rows(record):
   if not (isinstance(targets, dict) and 'roofline' in record):
     return []
   return [dict(target['int8_draft'], target=name, parameters=target.get('parameters'),
-               bytes=_get('variants', 'kernel', '1', 'bytes')(target))
+               bytes=_get('variants', target['int8_draft'].get('target_variant', 'kernel'), '1',
+                          'bytes')(target))
           for name, target in targets.items() if isinstance(target.get('int8_draft'), dict)]
 
 
@@ -408,7 +409,7 @@ KINDS: tuple[Kind, ...] = (
          '`jaxspec-step-costs`: a cached decode step over k positions against one position, '
          'random weights, every variant interleaved. t5x: kernels [in, out] with XLA\'s '
          'matmuls; transposed: [out, in] with XLA\'s; kernel: [out, in] through jaxspec\'s '
-         'CPU kernel. roofline: the one-position step\'s bytes over the machine\'s measured '
+         'CPU kernel; tiled: [out / 16, in, 16] through the kernel (AVX-512 only). roofline: the one-position step\'s bytes over the machine\'s measured '
          'stream bandwidth.',
          _step_cost_rows,
          (Column('target', _get('target')), Column('parameters', lambda r: _millions(r.get('parameters'))),

@@ -40,7 +40,23 @@ VARIANTS: dict[str, tuple[str, str]] = {
     't5x': (kernel_layout.T5X, 'xla'),  # kernel [in, out], XLA's dot
     'transposed': (kernel_layout.TRANSPOSED, 'xla'),  # kernel_t [out, in], XLA's einsum
     'kernel': (kernel_layout.TRANSPOSED, 'kernel'),  # kernel_t through the few-row kernel
+    # kernel_tiles [out / 16, in, 16] through the few-row kernel: the CPU's decode layout
+    # where the kernel's AVX-512 build runs, and measured only there (variants_here).
+    'tiled': (kernel_layout.TILED, 'kernel'),
 }
+
+
+def variants_here() -> tuple[str, ...]:
+  """The VARIANTS this machine runs as they are meant: all but 'tiled' where the
+  kernel's tiled form does not run (elsewhere tiles would go through XLA's einsum)."""
+  return tuple(name for name in VARIANTS
+               if name != 'tiled' or kernel_layout.decode_layout('cpu') == kernel_layout.TILED)
+
+
+def decode_variant() -> str:
+  """The variant in the CPU's decode layout here (kernel_layout.decode_layout): 'tiled'
+  where the AVX-512 build runs, else 'kernel'."""
+  return 'tiled' if 'tiled' in variants_here() else 'kernel'
 
 
 def variant(params, config: T5Config, name: str):
@@ -128,10 +144,11 @@ class StepCosts:
 
 
 def measure_step_costs(config: T5Config, positions: Sequence[int],
-                       variants: Sequence[str] = tuple(VARIANTS),
+                       variants: Sequence[str] | None = None,
                        setup: StepCostSetup = StepCostSetup(), params=None,
                        seed: int = 0) -> StepCosts:
-  """V(k) for k in `positions` (1 is added), per variant, interleaved in one process.
+  """V(k) for k in `positions` (1 is added), per variant (default: variants_here()),
+  interleaved in one process.
 
   params: the target's variables (random ones of `config` by default; the values do
   not change the cost of a step).
@@ -139,6 +156,7 @@ def measure_step_costs(config: T5Config, positions: Sequence[int],
   if params is None:
     params = {'params': init_params(config, jax.random.PRNGKey(seed))['params']}
   positions = sorted(set(positions) | {1})
+  variants = variants_here() if variants is None else tuple(variants)
   calls, inputs = {}, {}
   for name in variants:
     variant_params, variant_config = variant(params, config, name)
@@ -163,8 +181,8 @@ def measure_step_costs(config: T5Config, positions: Sequence[int],
 
 @dataclasses.dataclass(frozen=True)
 class Int8DraftCost:
-  """A target's int8 draft against the target's steps ('kernel' variant); seconds are
-  medians over repetitions."""
+  """A target's int8 draft against the target's steps (in the `target_variant`, the
+  CPU's decode layout: decode_variant()); seconds are medians over repetitions."""
   gamma: int
   step_seconds: float  # the target's one-position step
   verify_seconds: float  # the target's step over gamma + 1 positions
@@ -179,6 +197,7 @@ class Int8DraftCost:
   feature_layers: int = 0
   feature_proposal_seconds: float | None = None
   feature_c: float | None = None
+  target_variant: str = 'kernel'
 
   @property
   def interference_seconds(self) -> float:
@@ -227,8 +246,8 @@ def measure_int8_draft_cost(config: T5Config, gamma: int,
                             setup: StepCostSetup = StepCostSetup(), params=None,
                             seed: int = 0, feature_layers: int = 0) -> Int8DraftCost:
   """The target's int8 draft (jaxspec.Int8Drafter: the target's decoder with int8
-  weights over the target's encoding) against the target, all through the few-row
-  kernel and interleaved: the target's steps over 1 and gamma + 1 positions, greedy
+  weights over the target's encoding) against the target in the CPU's decode layout
+  (decode_variant()), all through the few-row kernel and interleaved: the target's steps over 1 and gamma + 1 positions, greedy
   proposals of gamma tokens, and iterations of a proposal and a verify step; c of
   Theorem 3.8 from the first and the proposals. With feature_layers > 0, the proposals of
   a feature-level head of that many layers in int8 (random weights: a step's cost does not
@@ -246,7 +265,8 @@ def measure_int8_draft_cost(config: T5Config, gamma: int,
                      f'{setup.cache_position} + gamma + 1 = {setup.cache_position + gamma + 1}')
   if params is None:
     params = {'params': init_params(config, jax.random.PRNGKey(seed))['params']}
-  target_params, target_config = variant(params, config, 'kernel')
+  target_variant = decode_variant()
+  target_params, target_config = variant(params, config, target_variant)
   drafter = Int8Drafter(config=target_config)
   standalone = SharedEncoderDrafterWithTarget(drafter, target_config)
   both = {'draft': drafter.draft_params(target_params), 'target': target_params}
@@ -289,7 +309,8 @@ def measure_int8_draft_cost(config: T5Config, gamma: int,
                        iteration_seconds=median(per_call('iterations')),
                        c=median(proposal / (gamma * step)), feature_layers=feature_layers,
                        feature_proposal_seconds=None if feature is None else median(feature),
-                       feature_c=None if feature is None else median(feature / (gamma * step)))
+                       feature_c=None if feature is None else median(feature / (gamma * step)),
+                       target_variant=target_variant)
 
 
 # ---------------------------------------------------------------------------
