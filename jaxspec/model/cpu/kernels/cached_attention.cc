@@ -175,11 +175,40 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k,
   return ffi::Error::Success();
 }
 
+// A step's new keys and values [b, t, h, d], written into the buffers [b, h, d, L] at
+// slots starts[b] + 0..t-1 (JaxspecCachedAttentionWrite).
+struct SlotWrites {
+  const float* keys;
+  const float* values;
+  const int32_t* starts;
+};
+
+// Head h of row b's new keys/values into its columns of the buffers: slots outside the
+// buffer are dropped (jaxspec.model.cache.write's semantics), and so are the queries
+// `active` [b, t] leaves out: their keys/values come from products that skipped them,
+// and their slots are never attended before a later step writes them (a row that ended,
+// a position past a row's proposal), while each write to a cold cache line costs as
+// much as the attention of a row.
+void WriteHeadSlots(const Shapes& s, const SlotWrites& writes, const int32_t* active,
+                    int64_t b, int64_t h, float* head_keys, float* head_values) {
+  for (int64_t i = 0; i < s.queries; ++i) {
+    const int64_t slot = static_cast<int64_t>(writes.starts[b]) + i;
+    if (slot < 0 || slot >= s.slots || active[b * s.queries + i] == 0) continue;
+    const int64_t row = ((b * s.queries + i) * s.heads + h) * s.head_dim;
+    for (int64_t d = 0; d < s.head_dim; ++d) {
+      head_keys[d * s.slots + slot] = writes.keys[row + d];
+      head_values[d * s.slots + slot] = writes.values[row + d];
+    }
+  }
+}
+
 // The active queries of the (row, head) pairs pairs[begin..end) (pair = row * heads +
-// head); a query whose flag in `active` [b, t] is 0 gets zeros and reads nothing.
+// head); a query whose flag in `active` [b, t] is 0 gets zeros and reads nothing. With
+// `writes`, each pair first writes its head's new keys/values (the thread that attends
+// over a head's columns writes them: the lines are in its own cache when it reads them).
 template <typename NumKeys>
-void AttendPairs(const Shapes& s, const float* qp, const float* kp, const float* vp,
-                 const float* bp, const NumKeys& num_keys, const int32_t* active,
+void AttendPairs(const Shapes& s, const float* qp, float* kp, float* vp, const float* bp,
+                 const NumKeys& num_keys, const int32_t* active, const SlotWrites* writes,
                  const int64_t* pairs, int64_t begin, int64_t end, float* op) {
   thread_local std::vector<float> weights;
   weights.resize(((s.slots + kVecLanes - 1) / kVecLanes) * kVecLanes);
@@ -187,8 +216,9 @@ void AttendPairs(const Shapes& s, const float* qp, const float* kp, const float*
     const int64_t pair = pairs[p];
     const int64_t b = pair / s.heads, h = pair % s.heads;
     const int64_t n = std::clamp<int64_t>(num_keys(b), 0, s.slots);
-    const float* head_keys = kp + (b * s.heads + h) * s.head_dim * s.slots;
-    const float* head_values = vp + (b * s.heads + h) * s.head_dim * s.slots;
+    float* head_keys = kp + (b * s.heads + h) * s.head_dim * s.slots;
+    float* head_values = vp + (b * s.heads + h) * s.head_dim * s.slots;
+    if (writes != nullptr) WriteHeadSlots(s, *writes, active, b, h, head_keys, head_values);
     const int64_t bias_head = s.bias_heads == 1 ? 0 : h;
     for (int64_t i = 0; i < s.queries; ++i) {
       const int64_t row = (b * s.queries + i) * s.heads + h;
@@ -205,15 +235,16 @@ void AttendPairs(const Shapes& s, const float* qp, const float* kp, const float*
 }
 
 // The attention of every active query over keys/values kp, vp [b, h, d, L], row b reading
-// its first min(L, max(0, num_keys(b))) slots; the other queries' outputs are zeros. The
-// (row, head) pairs of rows with an active query are split in contiguous runs among the
-// calling thread and the kernels' helpers (spin_pool.h), so the rows that ended in a
-// batch neither cost time nor leave a thread idle; a pair's queries are computed by one
-// thread, in the same order whatever the split. The rows of zeros go to the caller.
+// its first min(L, max(0, num_keys(b))) slots, after `writes` (if any); the other queries'
+// outputs are zeros. The (row, head) pairs of rows with an active query are split in
+// contiguous runs among the calling thread and the kernels' helpers (spin_pool.h), so the
+// rows that ended in a batch neither cost time nor leave a thread idle; a pair's writes
+// and queries are done by one thread, in the same order whatever the split. The rows of
+// zeros go to the caller.
 template <typename NumKeys>
 void AttendAll(const xla::ffi::ThreadPool& pool, const Shapes& s, const float* qp,
-               const float* kp, const float* vp, const float* bp, const NumKeys& num_keys,
-               const int32_t* active, float* op) {
+               float* kp, float* vp, const float* bp, const NumKeys& num_keys,
+               const int32_t* active, const SlotWrites* writes, float* op) {
   thread_local std::vector<int64_t> pairs;  // The pairs of rows with an active query.
   pairs.clear();
   for (int64_t b = 0; b < s.batch; ++b) {
@@ -233,7 +264,7 @@ void AttendAll(const xla::ffi::ThreadPool& pool, const Shapes& s, const float* q
   const int64_t per_part = (count + parts - 1) / parts;
   const int64_t* pair_list = pairs.data();  // This thread's list, read by the helpers.
   helpers.Run(parts, [&](int64_t p) {
-    AttendPairs(s, qp, kp, vp, bp, num_keys, active, pair_list, p * per_part,
+    AttendPairs(s, qp, kp, vp, bp, num_keys, active, writes, pair_list, p * per_part,
                 std::min(count, (p + 1) * per_part), op);
   });
 }
@@ -249,38 +280,19 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
       error.failure())
     return error;
   const int32_t* np = num_keys.typed_data();
-  AttendAll(pool, s, query.typed_data(), keys.typed_data(), values.typed_data(),
-            bias.typed_data(),
+  // Read only (no writes): the buffers are the call's operands.
+  AttendAll(pool, s, query.typed_data(), const_cast<float*>(keys.typed_data()),
+            const_cast<float*>(values.typed_data()), bias.typed_data(),
             [np](int64_t b) { return static_cast<int64_t>(np[b]); }, active.typed_data(),
-            out->typed_data());
+            /*writes=*/nullptr, out->typed_data());
   return ffi::Error::Success();
-}
-
-// new [b, t, h, d] into buffer [b, h, d, L] at slots starts[b] + 0..t-1; slots outside
-// the buffer are dropped (jaxspec.model.cache.write's semantics), and so are the queries
-// `active` [b, t] leaves out: their keys/values come from products that skipped them, and
-// their slots are never attended before a later step writes them (a row that ended, a
-// position past a row's proposal), while each write to a cold cache line costs as much
-// as the attention of a row.
-void WriteSlots(const Shapes& s, const float* new_rows, const int32_t* starts,
-                const int32_t* active, float* buffer) {
-  for (int64_t b = 0; b < s.batch; ++b)
-    for (int64_t i = 0; i < s.queries; ++i) {
-      const int64_t slot = static_cast<int64_t>(starts[b]) + i;
-      if (slot < 0 || slot >= s.slots || active[b * s.queries + i] == 0) continue;
-      for (int64_t h = 0; h < s.heads; ++h) {
-        const float* source = new_rows + ((b * s.queries + i) * s.heads + h) * s.head_dim;
-        float* column = buffer + (b * s.heads + h) * s.head_dim * s.slots + slot;
-        for (int64_t d = 0; d < s.head_dim; ++d) column[d * s.slots] = source[d];
-      }
-    }
 }
 
 // A decode step's self-attention with its cache write (JaxspecCachedAttentionWrite): the
 // step's new keys/values [b, t, h, d] go into the buffers at slots starts[b] + 0..t-1, in
 // place (the results alias the buffers; copied first only where XLA gave other memory),
-// then every query attends over the first starts[b] + t slots; the queries `active`
-// leaves out neither write nor attend.
+// each (row, head)'s columns written just before its queries attend over the first
+// starts[b] + t slots; the queries `active` leaves out neither write nor attend.
 ffi::Error CachedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
                                 ffi::Buffer<ffi::F32> new_keys, ffi::Buffer<ffi::F32> new_values,
                                 ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
@@ -304,12 +316,10 @@ ffi::Error CachedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> quer
   if (kp != keys.typed_data()) std::memcpy(kp, keys.typed_data(), buffer_bytes);
   if (vp != values.typed_data()) std::memcpy(vp, values.typed_data(), buffer_bytes);
   const int32_t* sp = starts.typed_data();
-  const int32_t* ap = active.typed_data();
-  WriteSlots(s, new_keys.typed_data(), sp, ap, kp);
-  WriteSlots(s, new_values.typed_data(), sp, ap, vp);
+  const SlotWrites writes = {new_keys.typed_data(), new_values.typed_data(), sp};
   AttendAll(pool, s, query.typed_data(), kp, vp, bias.typed_data(),
             [sp, &s](int64_t b) { return static_cast<int64_t>(sp[b]) + s.queries; },
-            ap, out->typed_data());
+            active.typed_data(), &writes, out->typed_data());
   return ffi::Error::Success();
 }
 
