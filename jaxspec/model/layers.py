@@ -327,8 +327,10 @@ class MultiHeadAttention(nn.Module):
     return self._split_heads(self.query(x))
 
   def project_key_value(self, x):
-    """x [b, s, e] -> keys, values [b, s, h, d]."""
-    return self._split_heads(self.key(x)), self._split_heads(self.value(x))
+    """x [b, s, e] -> keys, values [b, s, h, d], in one kernel call on CPU
+    (project_together: bit-identical to two)."""
+    keys, values = project_together(x, (self.key, self.value), self.config)
+    return self._split_heads(keys), self._split_heads(values)
 
   def project_query_key_value(self, x):
     """x [b, t, e] -> queries, keys, values [b, t, h, d], in one product where the params
@@ -383,8 +385,8 @@ class MultiHeadAttention(nn.Module):
 
   def __call__(self, x, bias):
     """Self-attention over x [b, t, e] without a cache (the encoder)."""
-    keys, values = self.project_key_value(x)
-    return self.attend(self.project_query(x), keys, values, bias)
+    queries, keys, values = self.project_query_key_value(x)
+    return self.attend(queries, keys, values, bias)
 
 
 class MlpBlock(nn.Module):
