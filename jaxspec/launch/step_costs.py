@@ -14,7 +14,8 @@ this machine's measured memory bandwidth and matmul throughput the step reaches,
 each draft's proposal of gamma tokens (in each variant) against the target's one-position
 step: c of Theorem 3.8; and each target's int8 draft (jaxspec.Int8Drafter, the target's
 own decoder in int8) at --int8_gamma, against the target's step in the CPU's decode
-layout ('tiled' where it runs, else 'kernel'; 0 skips it). Writes <out>/step_costs.json, step_costs.md and v_of_k.png.
+layout ('tiled' where it runs, else 'kernel'; 0 skips it). Writes
+<out>/step_costs.json, step_costs.md and v_of_k.png.
 """
 
 from __future__ import annotations

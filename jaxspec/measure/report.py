@@ -409,7 +409,8 @@ KINDS: tuple[Kind, ...] = (
          '`jaxspec-step-costs`: a cached decode step over k positions against one position, '
          'random weights, every variant interleaved. t5x: kernels [in, out] with XLA\'s '
          'matmuls; transposed: [out, in] with XLA\'s; kernel: [out, in] through jaxspec\'s '
-         'CPU kernel; tiled: [out / 16, in, 16] through the kernel (AVX-512 only). roofline: the one-position step\'s bytes over the machine\'s measured '
+         'CPU kernel; tiled: [out / 16, in, 16] through the kernel (AVX-512 only). '
+         'roofline: the one-position step\'s bytes over the machine\'s measured '
          'stream bandwidth.',
          _step_cost_rows,
          (Column('target', _get('target')), Column('parameters', lambda r: _millions(r.get('parameters'))),
