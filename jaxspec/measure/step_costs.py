@@ -249,9 +249,9 @@ def measure_int8_draft_cost(config: T5Config, gamma: int,
   weights over the target's encoding) against the target in the CPU's decode layout
   (decode_variant()), all through the few-row kernel and interleaved: the target's steps
   over 1 and gamma + 1 positions, greedy proposals of gamma tokens, and iterations of a
-  proposal and a verify step; c of Theorem 3.8 from the first and the proposals. With feature_layers > 0, the proposals of
-  a feature-level head of that many layers in int8 (random weights: a step's cost does not
-  depend on them) in the same rounds, and its c.
+  proposal and a verify step; c of Theorem 3.8 from the first and the proposals. With
+  feature_layers > 0, the proposals of a feature-level head of that many layers in int8
+  (random weights: a step's cost does not depend on them) in the same rounds, and its c.
 
   params: the target's variables (random ones of `config` by default).
   """
