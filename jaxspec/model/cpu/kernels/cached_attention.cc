@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "float_vectors.h"
@@ -175,15 +176,12 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k,
   return ffi::Error::Success();
 }
 
-// A step's new keys and values [b, t, h, d], written into the cache buffers [b, h, d, L]
-// at slots starts[b] + 0..t-1 (JaxspecCachedAttentionWrite): the buffers the queries
-// then read.
+// A step's new keys and values [b, t, h, d], written into the buffers [b, h, d, L] at
+// slots starts[b] + 0..t-1 (JaxspecCachedAttentionWrite).
 struct SlotWrites {
   const float* keys;
   const float* values;
   const int32_t* starts;
-  float* key_buffer;
-  float* value_buffer;
 };
 
 // Head h of row b's new keys/values into its columns of the buffers: slots outside the
@@ -193,10 +191,7 @@ struct SlotWrites {
 // a position past a row's proposal), while each write to a cold cache line costs as
 // much as the attention of a row.
 void WriteHeadSlots(const Shapes& s, const SlotWrites& writes, const int32_t* active,
-                    int64_t b, int64_t h) {
-  const int64_t head = (b * s.heads + h) * s.head_dim * s.slots;
-  float* head_keys = writes.key_buffer + head;
-  float* head_values = writes.value_buffer + head;
+                    int64_t b, int64_t h, float* head_keys, float* head_values) {
   for (int64_t i = 0; i < s.queries; ++i) {
     const int64_t slot = static_cast<int64_t>(writes.starts[b]) + i;
     if (slot < 0 || slot >= s.slots || active[b * s.queries + i] == 0) continue;
@@ -210,22 +205,24 @@ void WriteHeadSlots(const Shapes& s, const SlotWrites& writes, const int32_t* ac
 
 // The active queries of the (row, head) pairs pairs[begin..end) (pair = row * heads +
 // head); a query whose flag in `active` [b, t] is 0 gets zeros and reads nothing. With
-// `writes`, each pair first writes its head's new keys/values (the thread that attends
-// over a head's columns writes them: the lines are in its own cache when it reads them).
-template <typename NumKeys>
-void AttendPairs(const Shapes& s, const float* qp, const float* kp, const float* vp,
-                 const float* bp, const NumKeys& num_keys, const int32_t* active,
-                 const SlotWrites* writes, const int64_t* pairs, int64_t begin, int64_t end,
-                 float* op) {
+// `writes` (Cache = float: buffers the call may write), each pair first writes its head's
+// new keys/values (the thread that attends over a head's columns writes them: the lines
+// are in its own cache when it reads them); Cache = const float reads only.
+template <typename Cache, typename NumKeys>
+void AttendPairs(const Shapes& s, const float* qp, Cache* kp, Cache* vp, const float* bp,
+                 const NumKeys& num_keys, const int32_t* active, const SlotWrites* writes,
+                 const int64_t* pairs, int64_t begin, int64_t end, float* op) {
   thread_local std::vector<float> weights;
   weights.resize(((s.slots + kVecLanes - 1) / kVecLanes) * kVecLanes);
   for (int64_t p = begin; p < end; ++p) {
     const int64_t pair = pairs[p];
     const int64_t b = pair / s.heads, h = pair % s.heads;
     const int64_t n = std::clamp<int64_t>(num_keys(b), 0, s.slots);
-    const float* head_keys = kp + (b * s.heads + h) * s.head_dim * s.slots;
-    const float* head_values = vp + (b * s.heads + h) * s.head_dim * s.slots;
-    if (writes != nullptr) WriteHeadSlots(s, *writes, active, b, h);
+    Cache* head_keys = kp + (b * s.heads + h) * s.head_dim * s.slots;
+    Cache* head_values = vp + (b * s.heads + h) * s.head_dim * s.slots;
+    if constexpr (!std::is_const_v<Cache>) {
+      if (writes != nullptr) WriteHeadSlots(s, *writes, active, b, h, head_keys, head_values);
+    }
     const int64_t bias_head = s.bias_heads == 1 ? 0 : h;
     for (int64_t i = 0; i < s.queries; ++i) {
       const int64_t row = (b * s.queries + i) * s.heads + h;
@@ -242,15 +239,15 @@ void AttendPairs(const Shapes& s, const float* qp, const float* kp, const float*
 }
 
 // The attention of every active query over keys/values kp, vp [b, h, d, L], row b reading
-// its first min(L, max(0, num_keys(b))) slots, after `writes` (if any: into the same
-// buffers); the other queries' outputs are zeros. The (row, head) pairs of rows with an
+// its first min(L, max(0, num_keys(b))) slots, after `writes` (if any; Cache = float);
+// the other queries' outputs are zeros. The (row, head) pairs of rows with an
 // active query are split in contiguous runs among the calling thread and the kernels'
 // helpers (spin_pool.h), so the rows that ended in a batch neither cost time nor leave a
 // thread idle; a pair's writes and queries are done by one thread, in the same order
 // whatever the split. The rows of zeros go to the caller.
-template <typename NumKeys>
+template <typename Cache, typename NumKeys>
 void AttendAll(const xla::ffi::ThreadPool& pool, const Shapes& s, const float* qp,
-               const float* kp, const float* vp, const float* bp, const NumKeys& num_keys,
+               Cache* kp, Cache* vp, const float* bp, const NumKeys& num_keys,
                const int32_t* active, const SlotWrites* writes, float* op) {
   thread_local std::vector<int64_t> pairs;  // The pairs of rows with an active query.
   pairs.clear();
@@ -322,7 +319,7 @@ ffi::Error CachedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> quer
   if (kp != keys.typed_data()) std::memcpy(kp, keys.typed_data(), buffer_bytes);
   if (vp != values.typed_data()) std::memcpy(vp, values.typed_data(), buffer_bytes);
   const int32_t* sp = starts.typed_data();
-  const SlotWrites writes = {new_keys.typed_data(), new_values.typed_data(), sp, kp, vp};
+  const SlotWrites writes = {new_keys.typed_data(), new_values.typed_data(), sp};
   AttendAll(pool, s, query.typed_data(), kp, vp, bias.typed_data(),
             [sp, &s](int64_t b) { return static_cast<int64_t>(sp[b]) + s.queries; },
             active.typed_data(), &writes, out->typed_data());
