@@ -521,12 +521,18 @@ def test_a_decode_step_projects_q_k_v_and_the_mlp_inputs_in_one_call_each(monkey
 
 
 @needs_kernel
-@pytest.mark.parametrize('active', [[True, False, True], [False, False, False],
-                                    [False, True, True]])
+@pytest.mark.parametrize('active', [
+    [True, False, True], [False, False, False],  # gathered rows; none
+    [False, True, True], [True, True, False], [False, True, False],  # one run, in place
+    # per position [b, t]: a verify step's positions up to each row's last proposed one
+    [[True, True, True, False], [False] * 4, [False] * 4],  # one run at the start
+    [[False] * 4, [True, True, False, False], [True, False, False, False]],  # two runs
+])
 def test_inactive_rows_are_skipped_and_active_rows_unchanged(active):
   """Inside active_rows, each kernel product (float32 and int8, one matrix or several)
-  gives the rows of inactive batch rows zeros and the others exactly what a product of
-  every row gives; rows not led by that batch axis are all computed."""
+  gives the rows of inactive batch rows (or positions) zeros and the others exactly what
+  a product of every row gives, whether the active rows are one run (computed where they
+  stand) or several (gathered); rows not led by those axes are all computed."""
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((3, 4, 96)).astype(np.float32))  # [b, t, in]
   w_ts = [jnp.asarray(rng.standard_normal((out, 96)).astype(np.float32)) for out in (40, 72)]

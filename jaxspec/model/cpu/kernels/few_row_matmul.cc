@@ -664,13 +664,26 @@ bool AllActive(const int32_t* active, int64_t rows, ActiveRows* active_rows) {
   return active_rows->count == rows;
 }
 
-// compute(x rows [count, in], count, y[k] [count, out[k]]) on the active rows of xp,
-// gathered, its outputs scattered into y (zeros in the other rows).
+// compute(x rows [count, in], count, y[k] [count, out[k]]) on the active rows of xp, its
+// outputs in y's rows and zeros in the others. Active rows that follow one another (a
+// verify step's positions up to a row's last proposed one, at batch 1) are computed where
+// they stand; others are gathered, computed and scattered.
 template <int N, typename Compute>
 void OnActiveRows(const ActiveRows& active_rows, const float* xp, int64_t rows, int64_t in,
                   const int64_t (&out)[N], float* const (&y)[N], const Compute& compute) {
-  thread_local std::vector<float> x_rows, y_rows[N];
   const int64_t count = active_rows.count;
+  const int64_t first = count > 0 ? active_rows.index[0] : 0;
+  if (count > 0 && active_rows.index[count - 1] == first + count - 1) {
+    float* y_run[N];
+    for (int k = 0; k < N; ++k) y_run[k] = y[k] + first * out[k];
+    compute(xp + first * in, count, y_run);
+    for (int k = 0; k < N; ++k) {
+      std::fill(y[k], y_run[k], 0.0f);
+      std::fill(y_run[k] + count * out[k], y[k] + rows * out[k], 0.0f);
+    }
+    return;
+  }
+  thread_local std::vector<float> x_rows, y_rows[N];
   x_rows.resize(count * in);
   for (int64_t i = 0; i < count; ++i)
     std::memcpy(&x_rows[i * in], xp + active_rows.index[i] * in, in * sizeof(float));
@@ -681,10 +694,14 @@ void OnActiveRows(const ActiveRows& active_rows, const float* xp, int64_t rows, 
   }
   if (count > 0) compute(x_rows.data(), count, y_ptrs);
   for (int k = 0; k < N; ++k) {
-    std::fill(y[k], y[k] + rows * out[k], 0.0f);
-    for (int64_t i = 0; i < count; ++i)
-      std::memcpy(y[k] + active_rows.index[i] * out[k], &y_rows[k][i * out[k]],
-                  out[k] * sizeof(float));
+    for (int64_t n = 0, i = 0; n < rows; ++n) {
+      float* row = y[k] + n * out[k];
+      if (i < count && active_rows.index[i] == n) {
+        std::memcpy(row, &y_rows[k][i++ * out[k]], out[k] * sizeof(float));
+      } else {
+        std::fill(row, row + out[k], 0.0f);
+      }
+    }
   }
 }
 
