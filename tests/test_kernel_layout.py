@@ -6,6 +6,8 @@
   logits and cached decode steps of 1 and several positions, both T5 variants.
 - Decoding: greedy speculative decoding on transposed trees equals the baseline on
   T5X trees token for token; a sampled run equals the same run on T5X trees.
+- Padding: encoding skips the kernels' products over an input's padding, the real
+  positions' encoding and cross-attention keys/values bit for bit a pass over every row's.
 - Writers and checks: T5X checkpoints and HF state dicts written from a transposed tree
   hold T5X's layout; check_params accepts both and names a wrong kernel by its T5X path.
 """
@@ -202,3 +204,33 @@ def test_check_params_accepts_both_layouts_and_names_t5x_paths():
   wrong['decoder/layers_0/mlp/wi_0/kernel_t'] = wrong['decoder/layers_0/mlp/wi_0/kernel_t'].T
   with pytest.raises(ValueError, match=r"decoder/layers_0/mlp/wi_0/kernel'.*\(48, 32\).*\(32, 48\)"):
     check_params(flax.traverse_util.unflatten_dict(wrong, sep='/'), config)
+
+
+@pytest.mark.skipif(not cpu_matmul.kernel_available(),
+                    reason='the CPU kernel is not available here')
+def test_encoding_skips_the_padding_rows_and_keeps_the_real_ones_bit_for_bit():
+  """T5.encode and T5.init_cache run the kernels' products over the input's tokens only
+  (cpu_matmul.active_rows): the real positions' encoding and cross-attention keys/values
+  are those of a pass over every row bit for bit, the padding's keys/values zeros."""
+  name = 'test_tiny_1_1'
+  variables = kernel_layout.tiled_kernels({'params': _variables(name)['params']})
+  model = T5(get_config(name))
+  tokens = jnp.asarray([[5, 9, 3, 12, 1, 0, 0, 0], [7, 1, 0, 0, 0, 0, 0, 0]], jnp.int32)
+  real = np.asarray(tokens) > 0
+  encode = jax.jit(lambda p, t: model.apply(p, t, method=T5.encode))
+  every_row = jax.jit(lambda p, t: model.apply(p, t, method=lambda m, t: m.encoder(t)))
+  encoded = np.asarray(encode(variables, tokens))
+  reference = np.asarray(every_row(variables, tokens))
+  np.testing.assert_array_equal(encoded[real], reference[real])
+  assert not np.allclose(encoded[~real], reference[~real])  # the padding's rows were skipped
+  cache = jax.jit(lambda p, e, t: model.apply(p, e, t, 4, method=T5.init_cache))(
+      variables, jnp.asarray(encoded), tokens)
+  keys_values = jax.jit(lambda p, e: model.apply(
+      p, e, method=lambda m, e: m.decoder.layers[0].cross_key_value(e)))(variables,
+                                                                          jnp.asarray(encoded))
+  for cached, computed in zip((cache.layers[0].cross_keys, cache.layers[0].cross_values),
+                              keys_values):
+    # [b, h, d, s] -> [b, s, h, d], indexed by the real positions and the padding.
+    cached, computed = (np.moveaxis(np.asarray(a), -1, 1) for a in (cached, computed))
+    np.testing.assert_array_equal(cached[real], computed[real])
+    assert not cached[~real].any() and computed[~real].any()

@@ -175,10 +175,13 @@ class Decoder(nn.Module):
     empty = lambda: constrain(jnp.zeros(self_shape, config.compute_dtype),  # noqa: E731
                               CACHE_AXES, self.role)
     layer_caches = []
-    for layer in self.layers:
-      cross_keys, cross_values = layer.cross_key_value(encoded)
-      layer_caches.append(LayerCache(self_keys=empty(), self_values=empty(),
-                                     cross_keys=cross_keys, cross_values=cross_values))
+    # The padding's cross-attention keys/values are masked (encoder_mask): the CPU
+    # kernels skip their rows (zeros there).
+    with cpu_matmul.active_rows(encoder_tokens > 0):
+      for layer in self.layers:
+        cross_keys, cross_values = layer.cross_key_value(encoded)
+        layer_caches.append(LayerCache(self_keys=empty(), self_values=empty(),
+                                       cross_keys=cross_keys, cross_values=cross_values))
     return DecoderCache(layers=tuple(layer_caches), encoder_mask=encoder_tokens > 0,
                         end_index=jnp.zeros((batch,), jnp.int32))
 
@@ -290,8 +293,11 @@ class T5(nn.Module):
     self.decoder = Decoder(self.config, self.token_embedder, self.role, self.deterministic)
 
   def encode(self, encoder_tokens):
-    """encoder_tokens [b, s] int32 (0 = padding) -> encoded [b, s, e]."""
-    return self.encoder(encoder_tokens)
+    """encoder_tokens [b, s] int32 (0 = padding) -> encoded [b, s, e]. The CPU kernels
+    skip the padding's rows (zeros there): no real position attends to them, so the real
+    positions' outputs are those of a pass over every row, bit for bit."""
+    with cpu_matmul.active_rows(encoder_tokens > 0):
+      return self.encoder(encoder_tokens)
 
   def init_cache(self, encoded, encoder_tokens, max_length: int) -> DecoderCache:
     """An empty cache of `max_length` decoder positions with cross K/V of `encoded`."""

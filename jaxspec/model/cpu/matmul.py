@@ -302,8 +302,9 @@ def active_rows(active):
   """Within the block, kernel products skip the rows `active` ([b] or [b, t] bool) leaves
   out, and the attention kernels those queries, which write no keys/values to the cache
   (jaxspec.model.cpu.attention); their outputs are zeros. Products whose rows do not lead
-  with those axes compute every row. What is left out must be unused: rows that ended, or
-  a row's positions after its last one kept."""
+  with those axes compute every row. What is left out must be unused: rows that ended, a
+  row's positions after its last one kept, or an encoder input's padding (masked wherever
+  it is read: jaxspec.model.t5.T5.encode)."""
   token = _ACTIVE_ROWS.set(active)
   try:
     yield
