@@ -175,14 +175,15 @@ class Decoder(nn.Module):
     empty = lambda: constrain(jnp.zeros(self_shape, config.compute_dtype),  # noqa: E731
                               CACHE_AXES, self.role)
     layer_caches = []
+    encoder_mask = encoder_tokens > 0  # [b, s]
     # The padding's cross-attention keys/values are masked (encoder_mask): the CPU
     # kernels skip their rows (zeros there).
-    with cpu_matmul.active_rows(encoder_tokens > 0):
+    with cpu_matmul.active_rows(encoder_mask):
       for layer in self.layers:
         cross_keys, cross_values = layer.cross_key_value(encoded)
         layer_caches.append(LayerCache(self_keys=empty(), self_values=empty(),
                                        cross_keys=cross_keys, cross_values=cross_values))
-    return DecoderCache(layers=tuple(layer_caches), encoder_mask=encoder_tokens > 0,
+    return DecoderCache(layers=tuple(layer_caches), encoder_mask=encoder_mask,
                         end_index=jnp.zeros((batch,), jnp.int32))
 
   def __call__(self, decoder_tokens, cache: DecoderCache, tree: DecodeTree | None = None,
@@ -293,9 +294,10 @@ class T5(nn.Module):
     self.decoder = Decoder(self.config, self.token_embedder, self.role, self.deterministic)
 
   def encode(self, encoder_tokens):
-    """encoder_tokens [b, s] int32 (0 = padding) -> encoded [b, s, e]. The CPU kernels
-    skip the padding's rows (zeros there): no real position attends to them, so the real
-    positions' outputs are those of a pass over every row, bit for bit."""
+    """encoder_tokens [b, s] int32 (0 = padding) -> encoded [b, s, e]. The CPU kernels'
+    products skip the padding's rows (zeros there): no real position attends to the
+    padding, so the real positions' encoding is that of a pass over every row, bit for
+    bit."""
     with cpu_matmul.active_rows(encoder_tokens > 0):
       return self.encoder(encoder_tokens)
 
