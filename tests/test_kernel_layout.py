@@ -12,6 +12,7 @@
   hold T5X's layout; check_params accepts both and names a wrong kernel by its T5X path.
 """
 
+import contextlib
 import functools
 
 import flax.traverse_util
@@ -208,8 +209,8 @@ def test_check_params_accepts_both_layouts_and_names_t5x_paths():
 
 @pytest.mark.skipif(not cpu_matmul.kernel_available(),
                     reason='the CPU kernel is not available here')
-def test_encoding_skips_the_padding_rows_and_keeps_the_real_ones_bit_for_bit():
-  """T5.encode and T5.init_cache run the kernels' products over the input's tokens only
+def test_encoding_skips_the_padding_rows_and_keeps_the_real_ones_bit_for_bit(monkeypatch):
+  """The Encoder and T5.init_cache run the kernels' products over the input's tokens only
   (cpu_matmul.active_rows): the real positions' encoding and cross-attention keys/values
   are those of a pass over every row bit for bit, the padding's keys/values zeros."""
   name = 'test_tiny_1_1'
@@ -217,10 +218,12 @@ def test_encoding_skips_the_padding_rows_and_keeps_the_real_ones_bit_for_bit():
   model = T5(get_config(name))
   tokens = jnp.asarray([[5, 9, 3, 12, 1, 0, 0, 0], [7, 1, 0, 0, 0, 0, 0, 0]], jnp.int32)
   real = np.asarray(tokens) > 0
-  encode = jax.jit(lambda p, t: model.apply(p, t, method=T5.encode))
-  every_row = jax.jit(lambda p, t: model.apply(p, t, method=lambda m, t: m.encoder(t)))
-  encoded = np.asarray(encode(variables, tokens))
-  reference = np.asarray(every_row(variables, tokens))
+  encoded = np.asarray(jax.jit(lambda p, t: model.apply(p, t, method=T5.encode))(
+      variables, tokens))
+  with monkeypatch.context() as patch:  # The reference: every row through the kernels.
+    patch.setattr(cpu_matmul, 'active_rows', lambda active: contextlib.nullcontext())
+    reference = np.asarray(jax.jit(lambda p, t: model.apply(p, t, method=T5.encode))(
+        variables, tokens))
   np.testing.assert_array_equal(encoded[real], reference[real])
   assert not np.allclose(encoded[~real], reference[~real])  # the padding's rows were skipped
   cache = jax.jit(lambda p, e, t: model.apply(p, e, t, 4, method=T5.init_cache))(

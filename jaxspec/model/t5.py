@@ -100,8 +100,12 @@ class Encoder(nn.Module):
     bias = bias + layers.attention_bias_from_mask(mask[:, None, :] & mask[:, :, None])
     drop = nn.Dropout(config.dropout_rate, deterministic=self.deterministic)
     x = drop(constrain(self.embedder(encoder_tokens), EMBED_AXES, self.role))
-    for i in range(config.num_encoder_layers):
-      x = EncoderLayer(config, self.role, self.deterministic, name=f'layers_{i}')(x, bias)
+    # No real position attends to the padding (mask), so the CPU kernels' products skip
+    # its rows (zeros there): the real positions' encoding is that of a pass over every
+    # row, bit for bit.
+    with cpu_matmul.active_rows(mask):
+      for i in range(config.num_encoder_layers):
+        x = EncoderLayer(config, self.role, self.deterministic, name=f'layers_{i}')(x, bias)
     x = drop(layers.RMSNorm(config, name='encoder_norm')(x))
     return constrain(x, EMBED_AXES, self.role)
 
@@ -294,12 +298,9 @@ class T5(nn.Module):
     self.decoder = Decoder(self.config, self.token_embedder, self.role, self.deterministic)
 
   def encode(self, encoder_tokens):
-    """encoder_tokens [b, s] int32 (0 = padding) -> encoded [b, s, e]. The CPU kernels'
-    products skip the padding's rows (zeros there): no real position attends to the
-    padding, so the real positions' encoding is that of a pass over every row, bit for
-    bit."""
-    with cpu_matmul.active_rows(encoder_tokens > 0):
-      return self.encoder(encoder_tokens)
+    """encoder_tokens [b, s] int32 (0 = padding) -> encoded [b, s, e] (the padding's rows
+    are not meaningful: the CPU kernels leave them zero, see Encoder)."""
+    return self.encoder(encoder_tokens)
 
   def init_cache(self, encoded, encoder_tokens, max_length: int) -> DecoderCache:
     """An empty cache of `max_length` decoder positions with cross K/V of `encoded`."""

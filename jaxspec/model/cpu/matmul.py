@@ -304,7 +304,7 @@ def active_rows(active):
   (jaxspec.model.cpu.attention); their outputs are zeros. Products whose rows do not lead
   with those axes compute every row. What is left out must be unused: rows that ended, a
   row's positions after its last one kept, or an encoder input's padding (masked wherever
-  it is read: jaxspec.model.t5.T5.encode)."""
+  it is read: jaxspec.model.t5.Encoder)."""
   token = _ACTIVE_ROWS.set(active)
   try:
     yield
