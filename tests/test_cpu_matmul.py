@@ -316,6 +316,20 @@ def _int8_reference(x, w_q, scale):
   return sums * scale * x_scale
 
 
+def _int8_grouped_reference(x, w_q, scale, group):
+  """The tiled form's arithmetic in numpy: each row's inputs in groups of `group` (the
+  last one shorter), each group quantized over its own largest magnitude, its exact
+  integer sums times its scale, summed over the groups, times the weights' scale."""
+  y = np.zeros((x.shape[0], w_q.shape[0]), np.float64)
+  for first in range(0, x.shape[1], group):
+    part = x[:, first:first + group]
+    peak = np.max(np.abs(part), axis=-1, keepdims=True)
+    x_scale = np.where(peak > 0, peak / np.float32(127), np.float32(1)).astype(np.float32)
+    xq = np.clip(np.rint(part / x_scale), -127, 127).astype(np.int64)
+    y += (xq @ w_q[:, first:first + group].astype(np.int64).T) * x_scale.astype(np.float64)
+  return (y * scale).astype(np.float32)
+
+
 _int8_kernel = jax.jit(cpu_matmul.few_row_matmul_int8)
 
 
@@ -389,20 +403,33 @@ def test_rows_gather_from_the_tiles():
 
 @needs_kernel
 @needs_tiles
-@pytest.mark.parametrize('rows', [1, 2, 4, 5, 9, 32])
-@pytest.mark.parametrize('inputs,outputs', [(512, 2048), (2048, 512), (12, 192)])
-def test_tiled_int8_equals_the_rows_form_bit_for_bit(rows, inputs, outputs):
-  """Tiled weights (outputs in the vector lanes) give the [out, in] form's products bit
-  for bit (the same exact integer sums), for one row (two tiles side by side), blocks of
-  5 rows and a remainder, an odd tile count and an input of 3 groups."""
+@pytest.mark.parametrize('rows', [1, 2, 3, 4, 5, 9, 32])
+@pytest.mark.parametrize('inputs,outputs', [(512, 2048), (2048, 512), (12, 192), (100, 128)])
+def test_tiled_int8_quantizes_activations_per_group_as_its_reference(rows, inputs, outputs,
+                                                                    monkeypatch):
+  """Tiled weights (outputs in the vector lanes) quantize x per 32 inputs: the kernel
+  equals the grouped integer reference and XLA, for one row (two tiles side by side),
+  blocks of 3 rows and a remainder, an odd tile count, an input of 3 groups of 4 and one
+  whose last group is short. With one scale a row instead, they give the [out, in] form's
+  products bit for bit (the same exact integer sums)."""
   from jaxspec.model.quantization import tile_int8
-  x, w_q, scale = (jnp.asarray(a) for a in _int8_operands(rows, inputs, outputs, seed=rows))
-  tiles = jnp.asarray(tile_int8(np.asarray(w_q)))
-  assert cpu_matmul.applies_int8(x, tiles, scale)
-  expected = np.asarray(_int8_kernel(x, w_q, scale))
-  np.testing.assert_array_equal(np.asarray(_int8_kernel(x, tiles, scale)), expected)
-  np.testing.assert_allclose(np.asarray(cpu_matmul.xla_matmul_int8(x, tiles, scale)), expected,
-                             rtol=1e-5, atol=1e-5)
+  x, w_q, scale = _int8_operands(rows, inputs, outputs, seed=rows)
+  x[:, 3] *= 40  # an outlier, which coarsens only its own group
+  tiles = jnp.asarray(tile_int8(w_q))
+  x, w_q, scale = jnp.asarray(x), jnp.asarray(w_q), jnp.asarray(scale)
+  assert cpu_matmul.applies_int8(x, tiles, scale) and cpu_matmul.activation_group(tiles) == 32
+  got = np.asarray(cpu_matmul.few_row_matmul_int8(x, tiles, scale))
+  reference = _int8_grouped_reference(np.asarray(x), np.asarray(w_q), np.asarray(scale), 32)
+  np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5 * np.max(np.abs(reference)))
+  np.testing.assert_allclose(np.asarray(cpu_matmul.xla_matmul_int8(x, tiles, scale)), got,
+                             rtol=1e-5, atol=1e-5 * np.max(np.abs(reference)))
+  rows_form = np.asarray(_int8_kernel(x, w_q, scale))
+  if inputs > 32:  # Groups are closer to the float product than one scale a row.
+    exact = np.asarray(x) @ (np.asarray(w_q) * np.asarray(scale)[:, None]).T
+    assert np.mean(np.abs(got - exact)) < 0.7 * np.mean(np.abs(rows_form - exact))
+  monkeypatch.setattr(cpu_matmul, 'TILED_ACTIVATION_GROUP', 0)
+  np.testing.assert_array_equal(np.asarray(cpu_matmul.few_row_matmul_int8(x, tiles, scale)),
+                                rows_form)
 
 
 @needs_kernel
@@ -413,14 +440,16 @@ def test_tiled_int8_in_one_call_of_several_matrices_and_with_ended_rows():
   pairs = [tuple(jnp.asarray(a) for a in _int8_operands(1, 256, out, seed=out)[1:])
            for out in (256, 640, 128)]
   tiled = [(jnp.asarray(tile_int8(np.asarray(w))), s) for w, s in pairs]
-  rows_form = cpu_matmul.few_row_matmuls_int8(x, pairs)
-  for got, expected in zip(cpu_matmul.few_row_matmuls_int8(x, tiled), rows_form):
+  singles = [_int8_kernel(x, *pair) for pair in tiled]
+  for got, expected in zip(cpu_matmul.few_row_matmuls_int8(x, tiled), singles):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
   # A row that ended (row_flags 0) gets zeros, the others their own products.
   active = jnp.asarray([1, 0, 1], jnp.int32)
   got = jax.ffi.ffi_call(cpu_matmul.INT8_TARGET_NAME,
-                         jax.ShapeDtypeStruct((3, 256), jnp.float32))(x, *tiled[0], active)
-  expected = np.asarray(rows_form[0]) * np.asarray([[1], [0], [1]], np.float32)
+                         jax.ShapeDtypeStruct((3, 256), jnp.float32))(
+                             x, *tiled[0], active,
+                             activation_group=np.int64(cpu_matmul.TILED_ACTIVATION_GROUP))
+  expected = np.asarray(singles[0]) * np.asarray([[1], [0], [1]], np.float32)
   np.testing.assert_array_equal(np.asarray(got), expected)
 
 

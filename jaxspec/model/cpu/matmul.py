@@ -435,12 +435,42 @@ def applies_tiled(x, tiles) -> bool:
           and tiled_floats_apply())
 
 
-def quantize_activations(x):
+def quantize_activations(x, group: int = 0):
   """x [..., in] float32 -> (xq [..., in] int8-valued float32, scale [..., 1]): each row
-  over its largest magnitude, scale = max |x| / 127 (1 for a zero row), xq = round(x / scale)."""
-  peak = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-  scale = jnp.where(peak > 0, peak / 127.0, 1.0)
-  return jnp.clip(jnp.round(x / scale), -127, 127), scale
+  over its largest magnitude, scale = max |x| / 127 (1 for a zero row), xq = round(x / scale).
+
+  group > 0: each row's inputs in groups of `group` (the last one shorter where in is not
+  a multiple), each over its own largest magnitude -> scale [..., ceil(in / group)]."""
+  if group <= 0:
+    peak = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(peak > 0, peak / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale), -127, 127), scale
+  inputs = x.shape[-1]
+  groups = -(-inputs // group)
+  padded = _pad_inputs(x, groups * group).reshape(x.shape[:-1] + (groups, group))
+  peak = jnp.max(jnp.abs(padded), axis=-1, keepdims=True)
+  scale = jnp.where(peak > 0, peak / 127.0, 1.0)  # [..., groups, 1]
+  xq = jnp.clip(jnp.round(padded / scale), -127, 127)
+  return xq.reshape(x.shape[:-1] + (groups * group,))[..., :inputs], scale[..., 0]
+
+
+def _pad_inputs(x, length: int):
+  """x [..., in] zero-padded to [..., length]."""
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, length - x.shape[-1])])
+
+
+# Products with tiled int8 weights (the AVX-512 VNNI build's form) quantize x's rows per
+# this many inputs, each group over its own largest magnitude (quantize_activations): an
+# outlier then coarsens only its own group. On the main job's draft this took 2-3% fewer
+# target calls and drafts than one scale a row (docs/performance.md, "The int8 draft").
+# Weights [out, in] (the AVX2 build, accelerators) keep one scale a row.
+TILED_ACTIVATION_GROUP = 32
+
+
+def activation_group(w_q) -> int:
+  """How many inputs share an activation scale in products with w_q: TILED_ACTIVATION_GROUP
+  for tiled weights [out / 64, in / 4, 64, 4], 0 (the whole row) for [out, in]."""
+  return TILED_ACTIVATION_GROUP if w_q.ndim == 4 else 0
 
 
 # Tiled int8 weights [out / 64, in / 4, 64, 4] (jaxspec.model.quantization.tile_int8): the
@@ -485,11 +515,23 @@ def int8_rows(w_q, indices):
 
 
 def xla_matmul_int8(x, w_q, scale):
-  """matmul_int8 through XLA: x's rows quantized to int8 (quantize_activations), their
-  products with the int8 w_q [out, in] (or tiled) summed in float32, times scale [out] and
-  the row's scale -> [..., out] float32."""
-  xq, x_scale = quantize_activations(x)
-  return xla_matmul_transposed(xq, untile_int8(w_q).astype(jnp.float32)) * scale * x_scale
+  """matmul_int8 through XLA: x's rows quantized to int8 (quantize_activations, per
+  activation_group(w_q) inputs), their products with the int8 w_q [out, in] (or tiled)
+  summed in float32, times scale [out] and the row's (or each group's) scale ->
+  [..., out] float32."""
+  group = activation_group(w_q)
+  weights = untile_int8(w_q).astype(jnp.float32)  # [out, in]
+  if not group:
+    xq, x_scale = quantize_activations(x)
+    return xla_matmul_transposed(xq, weights) * scale * x_scale
+  xq, x_scale = quantize_activations(x, group)  # [..., in], [..., groups]
+  groups = x_scale.shape[-1]
+  xq = _pad_inputs(xq, groups * group).reshape(xq.shape[:-1] + (groups, group))
+  weights = _pad_inputs(weights, groups * group).reshape(weights.shape[0], groups, group)
+  # Each group's integer sums (exact in float32: |sum| <= 32 * 127 * 127 < 2^24), then
+  # their scales.
+  sums = jnp.einsum('...gk,ogk->...og', xq, weights)  # [..., out, groups]
+  return jnp.sum(sums * x_scale[..., None, :], axis=-1) * scale
 
 
 def applies_int8(x, w_q, scale) -> bool:
@@ -510,18 +552,21 @@ def few_row_matmul_int8(x, w_q, scale):
     return (jax.ffi.ffi_call(INT8_TARGET_NAME,
                              jax.ShapeDtypeStruct(rows.shape[:-1] + (int8_shape(w_q)[0],),
                                                   jnp.float32),
-                             vmap_method='sequential')(rows, w_q, scale, flags),)
+                             vmap_method='sequential')(
+                                 rows, w_q, scale, flags,
+                                 activation_group=np.int64(activation_group(w_q))),)
   return _in_calls(compute, x, row_flags(x))[0]
 
 
 def matmul_int8(x, w_q, scale, cpu_matmul: str = KERNEL):
   """x [..., in] @ (w_q [out, in] * scale [out, None])^T with x's rows quantized to int8
-  on the fly (int8 weights and activations, per-row scales; quantize_activations):
-  the kernel's int8 handler where it applies, else XLA -> [..., out] float32.
+  on the fly (int8 weights and activations; quantize_activations, one scale a row, or per
+  activation_group(w_q) inputs for tiled weights): the kernel's int8 handler where it
+  applies, else XLA -> [..., out] float32.
 
   The kernel sums the int8 products exactly in int32; XLA sums the same integers in
-  float32 (exact while partial sums stay below 2^24, i.e. in <= 1040), so the two
-  differ by float32 rounding at most."""
+  float32 (exact while partial sums stay below 2^24: an input of <= 1040, or a group), so
+  the two differ by float32 rounding at most."""
   x = x.astype(jnp.float32)
   if applies_int8(x, w_q, scale) and use_kernel(cpu_matmul):
     return few_row_matmul_int8(x, w_q, scale)
@@ -577,7 +622,9 @@ def few_row_matmuls_int8(x, pairs):
   def compute(rows, flags):
     return tuple(jax.ffi.ffi_call(MANY_INT8_TARGET_NAMES[len(pairs)],
                                   _many_shapes(rows, [int8_shape(w_q)[0] for w_q, _ in pairs]),
-                                  vmap_method='sequential')(rows, *operands, flags))
+                                  vmap_method='sequential')(
+                                      rows, *operands, flags,
+                                      activation_group=np.int64(activation_group(pairs[0][0]))))
   return _in_calls(compute, x, row_flags(x))
 
 
@@ -586,7 +633,7 @@ def matmuls_int8(x, pairs, cpu_matmul: str = KERNEL):
   pairs where the kernel applies to each, else one product each."""
   pairs = tuple(pairs)
   x = x.astype(jnp.float32)
-  if (len(pairs) in MANY_INT8_TARGET_NAMES and all(applies_int8(x, *pair) for pair in pairs)
-      and use_kernel(cpu_matmul)):
+  if (len(pairs) in MANY_INT8_TARGET_NAMES and len({w_q.ndim for w_q, _ in pairs}) == 1
+      and all(applies_int8(x, *pair) for pair in pairs) and use_kernel(cpu_matmul)):
     return few_row_matmuls_int8(x, pairs)
   return tuple(matmul_int8(x, *pair, cpu_matmul) for pair in pairs)

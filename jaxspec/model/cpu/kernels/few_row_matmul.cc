@@ -239,6 +239,12 @@ struct QuantizedRows {
   std::vector<uint8_t> magnitude;  // |value|
   float scale[kMaxRows] = {};
   int32_t total[kMaxRows] = {};  // sum of each row's values (the VNNI path's offset)
+  // With activations quantized per `group` inputs (QuantizeGroups; the tiled form only):
+  // each group's scale and sum of values, [rows, groups], and the scale / total above
+  // unused.
+  int64_t group = 0, groups = 0;
+  std::vector<float> group_scale;
+  std::vector<int32_t> group_total;
 };
 
 // Vectorized where it can be: _mm256_div_ps divides exactly as the scalar division does
@@ -293,6 +299,66 @@ inline int32_t HorizontalSumInt(__m256i v) {
   q = _mm_add_epi32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(1, 0, 3, 2)));
   q = _mm_add_epi32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtsi128_si32(q);
+}
+
+// Each row's inputs in groups of `group` (the last one shorter where in is not a multiple),
+// each group over its own largest magnitude: scale = max |x| / 127 over the group (1 for
+// a zero group), value = round(x / scale), rounded as QuantizeRows rounds
+// (jaxspec.model.cpu.matmul.quantize_activations with a group). Outliers then coarsen
+// only their own group's values.
+void QuantizeGroups(const float* x, int64_t rows, int64_t in, int64_t group,
+                    QuantizedRows* q) {
+  q->padded = (in + kInt8PaddedTo - 1) / kInt8PaddedTo * kInt8PaddedTo;
+  q->value.assign(rows * q->padded, 0);
+  q->magnitude.assign(rows * q->padded, 0);
+  q->group = group;
+  q->groups = (in + group - 1) / group;
+  q->group_scale.assign(rows * q->groups, 1.0f);
+  q->group_total.assign(rows * q->groups, 0);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 top = _mm256_set1_ps(kInt8Max), bottom = _mm256_set1_ps(-kInt8Max);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* xm = x + m * in;
+    int8_t* value = &q->value[m * q->padded];
+    uint8_t* magnitude = &q->magnitude[m * q->padded];
+    for (int64_t g = 0; g < q->groups; ++g) {
+      const int64_t first = g * group, last = std::min(in, first + group);
+      const int64_t vector_end = first + (last - first) / kLanes * kLanes;
+      __m256 peaks = _mm256_setzero_ps();
+      for (int64_t i = first; i < vector_end; i += kLanes)
+        peaks = _mm256_max_ps(peaks, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(xm + i)));
+      float lanes[kLanes];
+      _mm256_storeu_ps(lanes, peaks);
+      float peak = 0.0f;
+      for (float lane : lanes) peak = std::max(peak, lane);
+      for (int64_t i = vector_end; i < last; ++i) peak = std::max(peak, std::fabs(xm[i]));
+      const float scale = peak > 0.0f ? peak / kInt8Max : 1.0f;
+      const __m256 scales = _mm256_set1_ps(scale);
+      __m256i totals = _mm256_setzero_si256();
+      for (int64_t i = first; i < vector_end; i += kLanes) {
+        __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xm + i), scales),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_min_ps(top, _mm256_max_ps(bottom, v));
+        const __m256i ints = _mm256_cvtps_epi32(v);
+        totals = _mm256_add_epi32(totals, ints);
+        alignas(32) int32_t stored[kLanes];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(stored), ints);
+        for (int64_t k = 0; k < kLanes; ++k) {
+          value[i + k] = static_cast<int8_t>(stored[k]);
+          magnitude[i + k] = static_cast<uint8_t>(std::abs(stored[k]));
+        }
+      }
+      int32_t total = HorizontalSumInt(totals);
+      for (int64_t i = vector_end; i < last; ++i) {
+        const float v = std::min(kInt8Max, std::max(-kInt8Max, std::nearbyint(xm[i] / scale)));
+        value[i] = static_cast<int8_t>(v);
+        magnitude[i] = static_cast<uint8_t>(std::fabs(v));
+        total += value[i];
+      }
+      q->group_scale[m * q->groups + g] = scale;
+      q->group_total[m * q->groups + g] = total;
+    }
+  }
 }
 
 // Whole output blocks at least kInt8PrefetchBytes ahead: one block of int8 rows is a
@@ -494,6 +560,78 @@ inline void Int8TileRows(const QuantizedRows& xq, const int8_t* tile, const floa
   }
 }
 
+// Int8TileRows with activations quantized per group (QuantizeGroups): each group's exact
+// int32 sums, corrected for the offset, are converted to float and added times the
+// group's scale, in the order of the groups (one fused multiply-add each); the outputs
+// are those sums times scale[o]. Twice the accumulators of Int8TileRows, so at most 3 rows
+// (4 x 3 integer and 4 x 3 float accumulators beside 4 weight vectors).
+template <int C, int T>
+inline void Int8TileRowsGrouped(const QuantizedRows& xq, const int8_t* tile,
+                                const float* scale, float* y, int64_t in, int64_t out,
+                                int64_t o, int64_t n) {
+  constexpr int R = kInt8TileOutputs / 16;
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 f[T][R][C];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) f[t][r][c] = _mm512_setzero_ps();
+  const int64_t quads = in / kInt8TileInputs, quads_a_group = xq.group / kInt8TileInputs;
+  const int64_t tile_bytes = kInt8TileOutputs * in;
+  constexpr int64_t ahead = kInt8PrefetchBytes;
+  for (int64_t first = 0, k = 0; first < quads; first += quads_a_group, ++k) {
+    const int64_t last = std::min(quads, first + quads_a_group);
+    // Each group's sums start at minus its offset's correction (128 times the sum of its
+    // values), so that they end exact.
+    __m512i a[T][R][C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i start = _mm512_set1_epi32(-128 * xq.group_total[(n + c) * xq.groups + k]);
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) a[t][r][c] = start;
+    }
+    for (int64_t g = first; g < last; ++g) {
+      const int8_t* wg = tile + g * kInt8TileOutputs * kInt8TileInputs;
+      __m512i wv[T][R];
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(wg + t * tile_bytes + ahead + 64 * r),
+                       _MM_HINT_T1);
+          wv[t][r] = _mm512_xor_si512(_mm512_loadu_si512(wg + t * tile_bytes + 64 * r), offset);
+        }
+      for (int c = 0; c < C; ++c) {
+        int32_t x4;
+        std::memcpy(&x4, &xq.value[(n + c) * xq.padded + g * kInt8TileInputs], sizeof(x4));
+        const __m512i xv = _mm512_set1_epi32(x4);
+        for (int t = 0; t < T; ++t)
+          for (int r = 0; r < R; ++r) a[t][r][c] = _mm512_dpbusd_epi32(a[t][r][c], wv[t][r], xv);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 group_scale = _mm512_set1_ps(xq.group_scale[(n + c) * xq.groups + k]);
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r)
+          f[t][r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][r][c]), group_scale, f[t][r][c]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) {
+        const int64_t first = o + t * kInt8TileOutputs + 16 * r;
+        _mm512_storeu_ps(y + (n + c) * out + first,
+                         _mm512_mul_ps(f[t][r][c], _mm512_loadu_ps(scale + first)));
+      }
+}
+
+template <int C>
+inline void Int8TileRowsGroupedOf(int count, const QuantizedRows& xq, const int8_t* tile,
+                                  const float* scale, float* y, int64_t in, int64_t out,
+                                  int64_t o, int64_t n) {
+  if constexpr (C > 1) {
+    if (count < C)
+      return Int8TileRowsGroupedOf<C - 1>(count, xq, tile, scale, y, in, out, o, n);
+  }
+  Int8TileRowsGrouped<C, 1>(xq, tile, scale, y, in, out, o, n);
+}
+
 template <int C>
 inline void Int8TileRowsOf(int count, const QuantizedRows& xq, const int8_t* tile,
                            const float* scale, float* y, int64_t in, int64_t out, int64_t o,
@@ -507,8 +645,21 @@ inline void Int8TileRowsOf(int count, const QuantizedRows& xq, const int8_t* til
 // Outputs [begin, end) (multiples of kInt8TileOutputs) of tiled w for every row.
 void Int8TiledOutputs(const QuantizedRows& xq, const int8_t* w, const float* scale, float* y,
                       int64_t rows, int64_t in, int64_t out, int64_t begin, int64_t end) {
-  constexpr int C = 5;  // 4 x 5 accumulators and 4 weight vectors of the 32 registers
   int64_t o = begin;
+  if (xq.group > 0) {  // activations quantized per group
+    if (rows == 1) {
+      for (; o + 2 * kInt8TileOutputs <= end; o += 2 * kInt8TileOutputs)
+        Int8TileRowsGrouped<1, 2>(xq, w + o * in, scale, y, in, out, o, 0);
+    }
+    constexpr int C = 3;
+    for (; o < end; o += kInt8TileOutputs) {
+      for (int64_t n = 0; n < rows; n += C)
+        Int8TileRowsGroupedOf<C>(static_cast<int>(std::min<int64_t>(C, rows - n)), xq,
+                                 w + o * in, scale, y, in, out, o, n);
+    }
+    return;
+  }
+  constexpr int C = 5;  // 4 x 5 accumulators and 4 weight vectors of the 32 registers
   if (rows == 1) {  // two tiles side by side: one tile alone streamed ~10% slower
     for (; o + 2 * kInt8TileOutputs <= end; o += 2 * kInt8TileOutputs)
       Int8TileRows<1, 2>(xq, w + o * in, scale, y, in, out, o, 0);
@@ -793,14 +944,20 @@ ffi::Error ManyMatmuls(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
 template <int N>
 void ComputeMatmulsInt8(ffi::ThreadPool& pool, const float* xp, int64_t rows, int64_t in,
                         const int8_t* const (&w)[N], const float* const (&scale)[N],
-                        const int64_t (&out)[N], float* const (&y)[N], bool tiled) {
+                        const int64_t (&out)[N], float* const (&y)[N], bool tiled,
+                        int64_t group) {
   // The calling thread's buffers, reused: every part that reads them finishes before
   // this call returns (a pool task that starts later claims no part and reads nothing).
   // The helpers reach them through this pointer (a thread_local named inside the lambda
   // would be each helper's own).
   thread_local QuantizedRows quantized;
   const QuantizedRows* xq = &quantized;
-  QuantizeRows(xp, rows, in, &quantized);
+  if (group > 0) {
+    QuantizeGroups(xp, rows, in, group, &quantized);
+  } else {
+    QuantizeRows(xp, rows, in, &quantized);
+    quantized.group = 0;
+  }
   int64_t total = 0;
   for (int k = 0; k < N; ++k) total += out[k];
   SplitOutputs(pool, total, [&](int64_t begin, int64_t end) {
@@ -851,11 +1008,14 @@ ffi::Error ManyMatmulsInt8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x
                            const ffi::Buffer<ffi::S8>* const (&w)[N],
                            const ffi::Buffer<ffi::F32>* const (&scale)[N],
                            const ffi::Buffer<ffi::S32>& active,
-                           ffi::ResultBuffer<ffi::F32>* const (&y)[N]) {
+                           ffi::ResultBuffer<ffi::F32>* const (&y)[N], int64_t group) {
   int64_t out[N], in = 0, rows = 0;
   bool tiled = false;
   if (ffi::Error error = Int8Shapes<N>(x, w, out, &in, &rows, &tiled); error.failure())
     return error;
+  if (group != 0 && (!tiled || group < 0 || group % kInt8TileInputs != 0))
+    return ffi::Error::InvalidArgument(
+        "activation_group must be 0, or a positive multiple of 4 with tiled weights");
   if (active.element_count() != rows)
     return ffi::Error::InvalidArgument("active must hold one flag per row of x");
   float* y_ptrs[N];
@@ -873,12 +1033,12 @@ ffi::Error ManyMatmulsInt8(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x
   thread_local ActiveRows active_rows;
   if (AllActive(active.typed_data(), rows, &active_rows)) {
     ComputeMatmulsInt8<N>(pool, x.typed_data(), rows, in, w_ptrs, scale_ptrs, out, y_ptrs,
-                          tiled);
+                          tiled, group);
   } else {
     OnActiveRows<N>(active_rows, x.typed_data(), rows, in, out, y_ptrs,
                     [&](const float* xp, int64_t count, float* const (&yp)[N]) {
                       ComputeMatmulsInt8<N>(pool, xp, count, in, w_ptrs, scale_ptrs, out, yp,
-                                            tiled);
+                                            tiled, group);
                     });
   }
   return ffi::Error::Success();
@@ -892,8 +1052,9 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                            ffi::Buffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> y) {
-  return ManyMatmulsInt8<1>(pool, x, {&w}, {&scale}, active, {&y});
+                            ffi::Buffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> y,
+                            int64_t activation_group) {
+  return ManyMatmulsInt8<1>(pool, x, {&w}, {&scale}, active, {&y}, activation_group);
 }
 
 ffi::Error FewRowMatmul2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -915,8 +1076,9 @@ ffi::Error FewRowMatmulInt8x2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::S8> w0, ffi::Buffer<ffi::F32> s0,
                               ffi::Buffer<ffi::S8> w1, ffi::Buffer<ffi::F32> s1,
                               ffi::Buffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> y0,
-                              ffi::ResultBuffer<ffi::F32> y1) {
-  return ManyMatmulsInt8<2>(pool, x, {&w0, &w1}, {&s0, &s1}, active, {&y0, &y1});
+                              ffi::ResultBuffer<ffi::F32> y1, int64_t activation_group) {
+  return ManyMatmulsInt8<2>(pool, x, {&w0, &w1}, {&s0, &s1}, active, {&y0, &y1},
+                            activation_group);
 }
 
 ffi::Error FewRowMatmulInt8x3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -924,9 +1086,10 @@ ffi::Error FewRowMatmulInt8x3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::S8> w1, ffi::Buffer<ffi::F32> s1,
                               ffi::Buffer<ffi::S8> w2, ffi::Buffer<ffi::F32> s2,
                               ffi::Buffer<ffi::S32> active, ffi::ResultBuffer<ffi::F32> y0,
-                              ffi::ResultBuffer<ffi::F32> y1, ffi::ResultBuffer<ffi::F32> y2) {
+                              ffi::ResultBuffer<ffi::F32> y1, ffi::ResultBuffer<ffi::F32> y2,
+                              int64_t activation_group) {
   return ManyMatmulsInt8<3>(pool, x, {&w0, &w1, &w2}, {&s0, &s1, &s2}, active,
-                            {&y0, &y1, &y2});
+                            {&y0, &y1, &y2}, activation_group);
 }
 
 }  // namespace
@@ -946,7 +1109,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8, FewRowMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // active
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("activation_group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmul2, FewRowMatmul2,
                               ffi::Ffi::Bind()
@@ -980,7 +1144,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8x2, FewRowMatmulInt8x2,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // active
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("activation_group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8x3, FewRowMatmulInt8x3,
                               ffi::Ffi::Bind()
@@ -995,4 +1160,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecFewRowMatmulInt8x3, FewRowMatmulInt8x3,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // active
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("activation_group"));
