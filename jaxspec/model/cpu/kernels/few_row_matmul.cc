@@ -247,58 +247,67 @@ struct QuantizedRows {
   std::vector<int32_t> group_total;
 };
 
-// Vectorized where it can be: _mm256_div_ps divides exactly as the scalar division does
-// and _mm256_round_ps rounds half to even as nearbyint does, so every lane equals the
-// scalar tail's result (and jaxspec.model.cpu.matmul.quantize_activations).
-void QuantizeRows(const float* x, int64_t rows, int64_t in, QuantizedRows* q) {
-  q->padded = (in + kInt8PaddedTo - 1) / kInt8PaddedTo * kInt8PaddedTo;
-  q->value.assign(rows * q->padded, 0);  // Keeps its capacity from call to call.
-  q->magnitude.assign(rows * q->padded, 0);
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  const __m256 top = _mm256_set1_ps(kInt8Max), bottom = _mm256_set1_ps(-kInt8Max);
-  const int64_t in8 = in - in % kLanes;
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* xm = x + m * in;
-    __m256 peaks = _mm256_setzero_ps();
-    for (int64_t i = 0; i < in8; i += kLanes)
-      peaks = _mm256_max_ps(peaks, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(xm + i)));
-    float lanes[kLanes];
-    _mm256_storeu_ps(lanes, peaks);
-    float peak = 0.0f;
-    for (float lane : lanes) peak = std::max(peak, lane);
-    for (int64_t i = in8; i < in; ++i) peak = std::max(peak, std::fabs(xm[i]));
-    const float scale = peak > 0.0f ? peak / kInt8Max : 1.0f;
-    q->scale[m] = scale;
-    int8_t* value = &q->value[m * q->padded];
-    uint8_t* magnitude = &q->magnitude[m * q->padded];
-    const __m256 scales = _mm256_set1_ps(scale);
-    for (int64_t i = 0; i < in8; i += kLanes) {
-      __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xm + i), scales),
-                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      v = _mm256_min_ps(top, _mm256_max_ps(bottom, v));
-      alignas(32) int32_t ints[kLanes];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(ints), _mm256_cvtps_epi32(v));
-      for (int64_t k = 0; k < kLanes; ++k) {
-        value[i + k] = static_cast<int8_t>(ints[k]);
-        magnitude[i + k] = static_cast<uint8_t>(std::abs(ints[k]));
-      }
-    }
-    for (int64_t i = in8; i < in; ++i) {
-      const float v = std::min(kInt8Max, std::max(-kInt8Max, std::nearbyint(xm[i] / scale)));
-      value[i] = static_cast<int8_t>(v);
-      magnitude[i] = static_cast<uint8_t>(std::fabs(v));
-    }
-    int32_t total = 0;
-    for (int64_t i = 0; i < in; ++i) total += value[i];
-    q->total[m] = total;
-  }
-}
-
 inline int32_t HorizontalSumInt(__m256i v) {
   __m128i q = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   q = _mm_add_epi32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(1, 0, 3, 2)));
   q = _mm_add_epi32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtsi128_si32(q);
+}
+
+// x[first, last) quantized over its own largest magnitude: *scale = max |x| / 127 (1 for
+// zeros), value = round(x / scale) clipped to [-127, 127], magnitude = |value|, *total =
+// the values' sum. Vectorized where it can be: _mm256_div_ps divides exactly as the scalar
+// division does and _mm256_round_ps rounds half to even as nearbyint does, so every lane
+// equals the scalar tail's result (and jaxspec.model.cpu.matmul.quantize_activations).
+void QuantizeSpan(const float* x, int64_t first, int64_t last, int8_t* value,
+                  uint8_t* magnitude, float* scale_out, int32_t* total_out) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 top = _mm256_set1_ps(kInt8Max), bottom = _mm256_set1_ps(-kInt8Max);
+  const int64_t vector_end = first + (last - first) / kLanes * kLanes;
+  __m256 peaks = _mm256_setzero_ps();
+  for (int64_t i = first; i < vector_end; i += kLanes)
+    peaks = _mm256_max_ps(peaks, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + i)));
+  float lanes[kLanes];
+  _mm256_storeu_ps(lanes, peaks);
+  float peak = 0.0f;
+  for (float lane : lanes) peak = std::max(peak, lane);
+  for (int64_t i = vector_end; i < last; ++i) peak = std::max(peak, std::fabs(x[i]));
+  const float scale = peak > 0.0f ? peak / kInt8Max : 1.0f;
+  const __m256 scales = _mm256_set1_ps(scale);
+  __m256i totals = _mm256_setzero_si256();
+  for (int64_t i = first; i < vector_end; i += kLanes) {
+    __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), scales),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(top, _mm256_max_ps(bottom, v));
+    const __m256i ints = _mm256_cvtps_epi32(v);
+    totals = _mm256_add_epi32(totals, ints);
+    alignas(32) int32_t stored[kLanes];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(stored), ints);
+    for (int64_t k = 0; k < kLanes; ++k) {
+      value[i + k] = static_cast<int8_t>(stored[k]);
+      magnitude[i + k] = static_cast<uint8_t>(std::abs(stored[k]));
+    }
+  }
+  int32_t total = HorizontalSumInt(totals);
+  for (int64_t i = vector_end; i < last; ++i) {
+    const float v = std::min(kInt8Max, std::max(-kInt8Max, std::nearbyint(x[i] / scale)));
+    value[i] = static_cast<int8_t>(v);
+    magnitude[i] = static_cast<uint8_t>(std::fabs(v));
+    total += value[i];
+  }
+  *scale_out = scale;
+  *total_out = total;
+}
+
+// Each row over its own largest magnitude (QuantizeSpan).
+void QuantizeRows(const float* x, int64_t rows, int64_t in, QuantizedRows* q) {
+  q->padded = (in + kInt8PaddedTo - 1) / kInt8PaddedTo * kInt8PaddedTo;
+  q->value.assign(rows * q->padded, 0);  // Keeps its capacity from call to call.
+  q->magnitude.assign(rows * q->padded, 0);
+  q->group = 0;
+  for (int64_t m = 0; m < rows; ++m)
+    QuantizeSpan(x + m * in, 0, in, &q->value[m * q->padded], &q->magnitude[m * q->padded],
+                 &q->scale[m], &q->total[m]);
 }
 
 // Each row's inputs in groups of `group` (the last one shorter where in is not a multiple),
@@ -315,50 +324,11 @@ void QuantizeGroups(const float* x, int64_t rows, int64_t in, int64_t group,
   q->groups = (in + group - 1) / group;
   q->group_scale.assign(rows * q->groups, 1.0f);
   q->group_total.assign(rows * q->groups, 0);
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  const __m256 top = _mm256_set1_ps(kInt8Max), bottom = _mm256_set1_ps(-kInt8Max);
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* xm = x + m * in;
-    int8_t* value = &q->value[m * q->padded];
-    uint8_t* magnitude = &q->magnitude[m * q->padded];
-    for (int64_t g = 0; g < q->groups; ++g) {
-      const int64_t first = g * group, last = std::min(in, first + group);
-      const int64_t vector_end = first + (last - first) / kLanes * kLanes;
-      __m256 peaks = _mm256_setzero_ps();
-      for (int64_t i = first; i < vector_end; i += kLanes)
-        peaks = _mm256_max_ps(peaks, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(xm + i)));
-      float lanes[kLanes];
-      _mm256_storeu_ps(lanes, peaks);
-      float peak = 0.0f;
-      for (float lane : lanes) peak = std::max(peak, lane);
-      for (int64_t i = vector_end; i < last; ++i) peak = std::max(peak, std::fabs(xm[i]));
-      const float scale = peak > 0.0f ? peak / kInt8Max : 1.0f;
-      const __m256 scales = _mm256_set1_ps(scale);
-      __m256i totals = _mm256_setzero_si256();
-      for (int64_t i = first; i < vector_end; i += kLanes) {
-        __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xm + i), scales),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm256_min_ps(top, _mm256_max_ps(bottom, v));
-        const __m256i ints = _mm256_cvtps_epi32(v);
-        totals = _mm256_add_epi32(totals, ints);
-        alignas(32) int32_t stored[kLanes];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(stored), ints);
-        for (int64_t k = 0; k < kLanes; ++k) {
-          value[i + k] = static_cast<int8_t>(stored[k]);
-          magnitude[i + k] = static_cast<uint8_t>(std::abs(stored[k]));
-        }
-      }
-      int32_t total = HorizontalSumInt(totals);
-      for (int64_t i = vector_end; i < last; ++i) {
-        const float v = std::min(kInt8Max, std::max(-kInt8Max, std::nearbyint(xm[i] / scale)));
-        value[i] = static_cast<int8_t>(v);
-        magnitude[i] = static_cast<uint8_t>(std::fabs(v));
-        total += value[i];
-      }
-      q->group_scale[m * q->groups + g] = scale;
-      q->group_total[m * q->groups + g] = total;
-    }
-  }
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < q->groups; ++g)
+      QuantizeSpan(x + m * in, g * group, std::min(in, (g + 1) * group),
+                   &q->value[m * q->padded], &q->magnitude[m * q->padded],
+                   &q->group_scale[m * q->groups + g], &q->group_total[m * q->groups + g]);
 }
 
 // Whole output blocks at least kInt8PrefetchBytes ahead: one block of int8 rows is a
@@ -513,22 +483,18 @@ constexpr int64_t kInt8TileInputs = 4;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kInt8Tiles = true;
 
-// Outputs of T tiles from output o (64 T of them, 4 vectors a tile) for rows n..n+C-1
-// into y: the tiles' bytes stream side by side (T > 1 for a single row, whose few
-// products per byte leave memory the limit).
+// Adds to a[t][r][c] the products of T tiles' input groups [first, last) (4 inputs a group)
+// with rows n..n+C-1, the weights offset to unsigned; each group's weights fetched
+// kInt8PrefetchBytes ahead.
 template <int C, int T>
-inline void Int8TileRows(const QuantizedRows& xq, const int8_t* tile, const float* scale,
-                         float* y, int64_t in, int64_t out, int64_t o, int64_t n) {
+inline void Int8TileSums(const QuantizedRows& xq, const int8_t* tile, int64_t in,
+                         int64_t first, int64_t last, int64_t n,
+                         __m512i (&a)[T][kInt8TileOutputs / 16][C]) {
   constexpr int R = kInt8TileOutputs / 16;
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i a[T][R][C];
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) a[t][r][c] = _mm512_setzero_si512();
-  const int64_t groups = in / kInt8TileInputs;
   const int64_t tile_bytes = kInt8TileOutputs * in;
   constexpr int64_t ahead = kInt8PrefetchBytes;
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = first; g < last; ++g) {
     const int8_t* wg = tile + g * kInt8TileOutputs * kInt8TileInputs;
     __m512i wv[T][R];
     for (int t = 0; t < T; ++t)
@@ -545,6 +511,20 @@ inline void Int8TileRows(const QuantizedRows& xq, const int8_t* tile, const floa
         for (int r = 0; r < R; ++r) a[t][r][c] = _mm512_dpbusd_epi32(a[t][r][c], wv[t][r], xv);
     }
   }
+}
+
+// Outputs of T tiles from output o (64 T of them, 4 vectors a tile) for rows n..n+C-1
+// into y: the tiles' bytes stream side by side (T > 1 for a single row, whose few
+// products per byte leave memory the limit).
+template <int C, int T>
+inline void Int8TileRows(const QuantizedRows& xq, const int8_t* tile, const float* scale,
+                         float* y, int64_t in, int64_t out, int64_t o, int64_t n) {
+  constexpr int R = kInt8TileOutputs / 16;
+  __m512i a[T][R][C];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) a[t][r][c] = _mm512_setzero_si512();
+  Int8TileSums<C, T>(xq, tile, in, 0, in / kInt8TileInputs, n, a);
   for (int c = 0; c < C; ++c) {
     const __m512i correction = _mm512_set1_epi32(128 * xq.total[n + c]);
     const __m512 row_scale = _mm512_set1_ps(xq.scale[n + c]);
@@ -570,14 +550,11 @@ inline void Int8TileRowsGrouped(const QuantizedRows& xq, const int8_t* tile,
                                 const float* scale, float* y, int64_t in, int64_t out,
                                 int64_t o, int64_t n) {
   constexpr int R = kInt8TileOutputs / 16;
-  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 f[T][R][C];
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) f[t][r][c] = _mm512_setzero_ps();
   const int64_t quads = in / kInt8TileInputs, quads_a_group = xq.group / kInt8TileInputs;
-  const int64_t tile_bytes = kInt8TileOutputs * in;
-  constexpr int64_t ahead = kInt8PrefetchBytes;
   for (int64_t first = 0, k = 0; first < quads; first += quads_a_group, ++k) {
     const int64_t last = std::min(quads, first + quads_a_group);
     // Each group's sums start at minus its offset's correction (128 times the sum of its
@@ -588,23 +565,7 @@ inline void Int8TileRowsGrouped(const QuantizedRows& xq, const int8_t* tile,
       for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r) a[t][r][c] = start;
     }
-    for (int64_t g = first; g < last; ++g) {
-      const int8_t* wg = tile + g * kInt8TileOutputs * kInt8TileInputs;
-      __m512i wv[T][R];
-      for (int t = 0; t < T; ++t)
-        for (int r = 0; r < R; ++r) {
-          _mm_prefetch(reinterpret_cast<const char*>(wg + t * tile_bytes + ahead + 64 * r),
-                       _MM_HINT_T1);
-          wv[t][r] = _mm512_xor_si512(_mm512_loadu_si512(wg + t * tile_bytes + 64 * r), offset);
-        }
-      for (int c = 0; c < C; ++c) {
-        int32_t x4;
-        std::memcpy(&x4, &xq.value[(n + c) * xq.padded + g * kInt8TileInputs], sizeof(x4));
-        const __m512i xv = _mm512_set1_epi32(x4);
-        for (int t = 0; t < T; ++t)
-          for (int r = 0; r < R; ++r) a[t][r][c] = _mm512_dpbusd_epi32(a[t][r][c], wv[t][r], xv);
-      }
-    }
+    Int8TileSums<C, T>(xq, tile, in, first, last, n, a);
     for (int c = 0; c < C; ++c) {
       const __m512 group_scale = _mm512_set1_ps(xq.group_scale[(n + c) * xq.groups + k]);
       for (int t = 0; t < T; ++t)
@@ -956,7 +917,6 @@ void ComputeMatmulsInt8(ffi::ThreadPool& pool, const float* xp, int64_t rows, in
     QuantizeGroups(xp, rows, in, group, &quantized);
   } else {
     QuantizeRows(xp, rows, in, &quantized);
-    quantized.group = 0;
   }
   int64_t total = 0;
   for (int k = 0; k < N; ++k) total += out[k];
