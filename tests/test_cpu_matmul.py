@@ -409,7 +409,7 @@ def test_tiled_int8_quantizes_activations_per_group_as_its_reference(rows, input
                                                                     monkeypatch):
   """Tiled weights (outputs in the vector lanes) quantize x per 32 inputs: the kernel
   equals the grouped integer reference and XLA, for one row (two tiles side by side),
-  blocks of 3 rows and a remainder, an odd tile count, an input of 3 groups of 4 and one
+  blocks of 5 rows and a remainder, an odd tile count, an input of 3 groups of 4 and one
   whose last group is short. With one scale a row instead, they give the [out, in] form's
   products bit for bit (the same exact integer sums)."""
   from jaxspec.model.quantization import tile_int8

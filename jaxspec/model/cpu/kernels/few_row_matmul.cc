@@ -543,17 +543,15 @@ inline void Int8TileRows(const QuantizedRows& xq, const int8_t* tile, const floa
 // Int8TileRows with activations quantized per group (QuantizeGroups): each group's exact
 // int32 sums, corrected for the offset, are converted to float and added times the
 // group's scale, in the order of the groups (one fused multiply-add each); the outputs
-// are those sums times scale[o]. Twice the accumulators of Int8TileRows, so at most 3 rows
-// (4 x 3 integer and 4 x 3 float accumulators beside 4 weight vectors).
+// are those sums times scale[o]. Blocks as Int8TileRows's (5 rows, or 1 row over 2 tiles).
 template <int C, int T>
 inline void Int8TileRowsGrouped(const QuantizedRows& xq, const int8_t* tile,
                                 const float* scale, float* y, int64_t in, int64_t out,
                                 int64_t o, int64_t n) {
   constexpr int R = kInt8TileOutputs / 16;
-  __m512 f[T][R][C];
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) f[t][r][c] = _mm512_setzero_ps();
+  // The float sums live in memory (touched once a group), leaving the registers to the
+  // integer sums and the weights.
+  alignas(64) float f[T][R][C][16] = {};
   const int64_t quads = in / kInt8TileInputs, quads_a_group = xq.group / kInt8TileInputs;
   for (int64_t first = 0, k = 0; first < quads; first += quads_a_group, ++k) {
     const int64_t last = std::min(quads, first + quads_a_group);
@@ -570,7 +568,8 @@ inline void Int8TileRowsGrouped(const QuantizedRows& xq, const int8_t* tile,
       const __m512 group_scale = _mm512_set1_ps(xq.group_scale[(n + c) * xq.groups + k]);
       for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r)
-          f[t][r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][r][c]), group_scale, f[t][r][c]);
+          _mm512_store_ps(f[t][r][c], _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][r][c]), group_scale,
+                                                      _mm512_load_ps(f[t][r][c])));
     }
   }
   for (int c = 0; c < C; ++c)
@@ -578,7 +577,7 @@ inline void Int8TileRowsGrouped(const QuantizedRows& xq, const int8_t* tile,
       for (int r = 0; r < R; ++r) {
         const int64_t first = o + t * kInt8TileOutputs + 16 * r;
         _mm512_storeu_ps(y + (n + c) * out + first,
-                         _mm512_mul_ps(f[t][r][c], _mm512_loadu_ps(scale + first)));
+                         _mm512_mul_ps(_mm512_load_ps(f[t][r][c]), _mm512_loadu_ps(scale + first)));
       }
 }
 
@@ -606,13 +605,13 @@ inline void Int8TileRowsOf(int count, const QuantizedRows& xq, const int8_t* til
 // Outputs [begin, end) (multiples of kInt8TileOutputs) of tiled w for every row.
 void Int8TiledOutputs(const QuantizedRows& xq, const int8_t* w, const float* scale, float* y,
                       int64_t rows, int64_t in, int64_t out, int64_t begin, int64_t end) {
+  constexpr int C = 5;  // 4 x 5 accumulators and 4 weight vectors of the 32 registers
   int64_t o = begin;
   if (xq.group > 0) {  // activations quantized per group
     if (rows == 1) {
       for (; o + 2 * kInt8TileOutputs <= end; o += 2 * kInt8TileOutputs)
         Int8TileRowsGrouped<1, 2>(xq, w + o * in, scale, y, in, out, o, 0);
     }
-    constexpr int C = 3;
     for (; o < end; o += kInt8TileOutputs) {
       for (int64_t n = 0; n < rows; n += C)
         Int8TileRowsGroupedOf<C>(static_cast<int>(std::min<int64_t>(C, rows - n)), xq,
@@ -620,7 +619,6 @@ void Int8TiledOutputs(const QuantizedRows& xq, const int8_t* w, const float* sca
     }
     return;
   }
-  constexpr int C = 5;  // 4 x 5 accumulators and 4 weight vectors of the 32 registers
   if (rows == 1) {  // two tiles side by side: one tile alone streamed ~10% slower
     for (; o + 2 * kInt8TileOutputs <= end; o += 2 * kInt8TileOutputs)
       Int8TileRows<1, 2>(xq, w + o * in, scale, y, in, out, o, 0);
