@@ -299,7 +299,7 @@ class T5(nn.Module):
 
   def encode(self, encoder_tokens):
     """encoder_tokens [b, s] int32 (0 = padding) -> encoded [b, s, e] (the padding's rows
-    are not meaningful: the CPU kernels leave them zero, see Encoder)."""
+    are not meaningful: the CPU kernels skip their products, see Encoder)."""
     return self.encoder(encoder_tokens)
 
   def init_cache(self, encoded, encoder_tokens, max_length: int) -> DecoderCache:
