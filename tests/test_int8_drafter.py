@@ -143,6 +143,28 @@ def test_greedy_speculative_with_the_int8_draft_is_the_baseline(gamma):
   assert float(result.stats.alpha) > 0.8  # the target's own decoder, int8
 
 
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_the_main_jobs_long_proposals_are_the_baseline(temperature):
+  # The main job's settings (configs/infer/ende54m_int8.gin at the gamma 19 it chooses on
+  # 2 cores): coupled verification, long proposals, verify steps of 5 or gamma + 1
+  # positions. Here gamma is the largest the output allows (MAX_LEN - 1), so the first
+  # proposal runs to the drafted EOS or the length limit and later verify steps are wider
+  # than what is left of the output: the tokens are still the baseline's, greedy and
+  # sampled draw for draw.
+  target, tokens = _target(), _encoder_tokens()
+  rng, sampling = jax.random.PRNGKey(8), SamplingConfig(temperature=temperature)
+  baseline = generate(target, tokens, rng, config=CONFIG, max_decode_length=MAX_LEN,
+                      sampling=sampling)
+  drafter = Int8Drafter(CONFIG)
+  spec = SpeculativeConfig(gamma=MAX_LEN - 1, verification='coupled', verify_lengths=(5,))
+  result = speculative_generate(target, drafter.draft_params(target), tokens, rng,
+                                target_config=CONFIG, drafter=drafter, spec=spec,
+                                max_decode_length=MAX_LEN, sampling=sampling)
+  np.testing.assert_array_equal(result.output.tokens, baseline.tokens)
+  np.testing.assert_array_equal(result.output.lengths, baseline.lengths)
+  assert int(result.stats.target_calls) < int(np.max(baseline.lengths))
+
+
 def test_sampling_with_the_int8_draft_accepts_nearly_every_draft():
   target, tokens = _target(), _encoder_tokens()
   drafter = Int8Drafter(CONFIG)
