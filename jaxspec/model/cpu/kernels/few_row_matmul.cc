@@ -299,12 +299,18 @@ void QuantizeSpan(const float* x, int64_t first, int64_t last, int8_t* value,
   *total_out = total;
 }
 
+// q's values and magnitudes zeroed for `rows` rows of `in` inputs (padded), in groups of
+// `group` inputs (0: one scale a row). The buffers keep their capacity from call to call.
+void ResetQuantizedRows(int64_t rows, int64_t in, int64_t group, QuantizedRows* q) {
+  q->padded = (in + kInt8PaddedTo - 1) / kInt8PaddedTo * kInt8PaddedTo;
+  q->value.assign(rows * q->padded, 0);
+  q->magnitude.assign(rows * q->padded, 0);
+  q->group = group;
+}
+
 // Each row over its own largest magnitude (QuantizeSpan).
 void QuantizeRows(const float* x, int64_t rows, int64_t in, QuantizedRows* q) {
-  q->padded = (in + kInt8PaddedTo - 1) / kInt8PaddedTo * kInt8PaddedTo;
-  q->value.assign(rows * q->padded, 0);  // Keeps its capacity from call to call.
-  q->magnitude.assign(rows * q->padded, 0);
-  q->group = 0;
+  ResetQuantizedRows(rows, in, 0, q);
   for (int64_t m = 0; m < rows; ++m)
     QuantizeSpan(x + m * in, 0, in, &q->value[m * q->padded], &q->magnitude[m * q->padded],
                  &q->scale[m], &q->total[m]);
@@ -317,10 +323,7 @@ void QuantizeRows(const float* x, int64_t rows, int64_t in, QuantizedRows* q) {
 // only their own group's values.
 void QuantizeGroups(const float* x, int64_t rows, int64_t in, int64_t group,
                     QuantizedRows* q) {
-  q->padded = (in + kInt8PaddedTo - 1) / kInt8PaddedTo * kInt8PaddedTo;
-  q->value.assign(rows * q->padded, 0);
-  q->magnitude.assign(rows * q->padded, 0);
-  q->group = group;
+  ResetQuantizedRows(rows, in, group, q);
   q->groups = (in + group - 1) / group;
   q->group_scale.assign(rows * q->groups, 1.0f);
   q->group_total.assign(rows * q->groups, 0);
