@@ -90,11 +90,86 @@ def test_the_batch_expectation_is_the_simulations_mean(seed):
   assert abs(iterations.mean() - expected_iterations) < 4 * iterations.std() / math.sqrt(20000)
 
 
+def _simulated_drafts(lengths, alpha, gamma, rng):
+  """[batches] draft steps of batches of rows `lengths` [batches, b], drawn: each
+  iteration every row still decoding drafts min(gamma, tokens left), the batch runs its
+  longest proposal, and each row keeps its drafts up to the first rejection, plus one."""
+  left = np.array(lengths, np.int64)
+  steps = np.zeros(left.shape[0], np.int64)
+  while np.any(left > 0):
+    proposals = np.minimum(gamma, left)
+    steps += proposals.max(axis=1)
+    accepted = np.minimum(rng.geometric(1.0 - alpha, left.shape) - 1, proposals)
+    left = np.maximum(left - (accepted + 1), 0)
+  return steps
+
+
+@pytest.mark.parametrize('alpha, gamma', [(0.6, 3), (0.9, 9), (0.99, 19)])
+def test_one_rows_expected_drafts_are_the_simulations_mean(alpha, gamma):
+  """Batch 1: a proposal drafts min(gamma, tokens left), so a 4-token output drafts 4
+  with gamma 9 or 19 alike at alpha 1; the expectation (over lengths seen) against the
+  drawn mean."""
+  rng = np.random.default_rng(2)
+  lengths = np.array([4, 11, 27, 40])
+  drawn = rng.choice(lengths, size=(40000, 1))
+  simulated = _simulated_drafts(drawn, alpha, gamma, rng)
+  expected = auto_gamma.expected_batch_drafts(lengths, alpha, gamma, batch_size=1)
+  assert abs(simulated.mean() - expected) < 4 * simulated.std() / math.sqrt(drawn.shape[0])
+  for n in lengths:
+    assert auto_gamma.expected_rows_work([n], alpha, gamma)[2] == pytest.approx(
+        cost_model.expected_calls_and_drafts(alpha, gamma, int(n))[1][n])
+  assert auto_gamma.expected_batch_drafts([4], 1.0, 9, 1) == pytest.approx(4.0)
+  assert auto_gamma.expected_batch_drafts([4], 1.0, 19, 1) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize('alpha, gamma', [(0.7, 3), (0.95, 9)])
+def test_a_batchs_expected_drafts_are_near_the_simulations_mean(alpha, gamma):
+  """Batch 4: the batch drafts while any row's proposal goes on; the model counts its
+  longest row's drafts a call for every call of the batch, within 3% of the drawn mean
+  and never under what the longest row alone drafts."""
+  rng = np.random.default_rng(3)
+  lengths = np.array([3, 8, 15, 22, 30])
+  drawn = rng.choice(lengths, size=(40000, 4))
+  simulated = _simulated_drafts(drawn, alpha, gamma, rng).mean()
+  expected = auto_gamma.expected_batch_drafts(lengths, alpha, gamma, batch_size=4)
+  assert expected == pytest.approx(simulated, rel=0.03)
+  longest_alone = _simulated_drafts(drawn.max(axis=1, keepdims=True), alpha, gamma, rng).mean()
+  assert expected > longest_alone
+  rows = drawn[:2000]
+  exact = np.mean([auto_gamma.expected_rows_work(r, alpha, gamma, 30)[2] for r in rows])
+  assert exact == pytest.approx(_simulated_drafts(rows, alpha, gamma, rng).mean(), rel=0.1)
+
+
+def test_call_and_draft_costs_are_told_apart_across_gammas():
+  """Least squares over every gamma's batches: a cost a call for each gamma and one a
+  draft step, from noisy seconds; every cost to the calls where the drafts cannot be told
+  apart; none negative."""
+  rng = np.random.default_rng(4)
+  call = {1: 0.010, 3: 0.011, 9: 0.013}
+  samples = {}
+  for g in call:
+    lengths = rng.integers(3, 60, 48)
+    work = [(int(np.ceil(n / (g + 1))), int(n - np.ceil(n / (g + 1)) + min(g, n) // 2))
+            for n in lengths]
+    samples[g] = [(c * call[g] + d * 0.002 + rng.normal(0, 2e-4), c, d) for c, d in work]
+  fitted, draft = auto_gamma.fit_call_and_draft_seconds(samples)
+  assert draft == pytest.approx(0.002, rel=0.05)
+  assert fitted == {g: pytest.approx(v, rel=0.05) for g, v in call.items()}
+  # Drafts in one proportion to the calls in each gamma: no telling them apart.
+  fitted, draft = auto_gamma.fit_call_and_draft_seconds(
+      {1: [(0.03, 2, 2), (0.06, 4, 4)], 3: [(0.05, 2, 6)]})
+  assert draft == 0.0 and fitted == {1: pytest.approx(0.015), 3: pytest.approx(0.025)}
+  # Seconds that fall with the drafts: held at 0, the calls carry them.
+  fitted, draft = auto_gamma.fit_call_and_draft_seconds(
+      {1: [(0.03, 2, 1), (0.02, 2, 9)], 3: [(0.05, 2, 6), (0.04, 2, 3)]})
+  assert draft == 0.0 and min(fitted.values()) > 0.0
+
+
 def _brute_force_best(costs: BatchCosts, length: int, min_speedup: float) -> int:
   """At alpha 1 and one output length every quantity is exact: the baseline takes
   `length` steps and gamma g takes ceil(length / (g + 1)) iterations."""
   speedups = {g: length * costs.step_seconds / (-(-length // (g + 1)) * seconds)
-              for g, seconds in costs.iteration_seconds.items()}
+              for g, seconds in costs.call_seconds.items()}
   best = max(speedups, key=lambda g: (speedups[g], -g))
   return best if speedups[best] >= min_speedup else 0
 
@@ -107,7 +182,7 @@ def test_choice_is_what_the_model_predicts_on_simulated_cost_tables(seed):
   # Iterations costing a verify step of V(g + 1) plus g draft steps of c each.
   c, v_slope = rng.uniform(0.0, 0.6), rng.uniform(0.0, 1.0)
   costs = BatchCosts(batch_size=int(rng.integers(1, 5)), step_seconds=step,
-                     iteration_seconds={g: step * (1 + v_slope * g + c * g) for g in gammas})
+                     call_seconds={g: step * (1 + v_slope * g + c * g) for g in gammas})
   length = int(rng.integers(4, 40))
   chosen = choose_gamma(costs, 1.0, [length])
   assert chosen == _brute_force_best(costs, length, auto_gamma.MIN_SPEEDUP)
@@ -115,69 +190,105 @@ def test_choice_is_what_the_model_predicts_on_simulated_cost_tables(seed):
 
 def test_the_baseline_is_chosen_where_no_gamma_pays():
   costs = BatchCosts(batch_size=8, step_seconds=0.01,
-                     iteration_seconds={1: 0.03, 3: 0.06, 9: 0.2})
+                     call_seconds={1: 0.03, 3: 0.06, 9: 0.2})
   assert choose_gamma(costs, 0.99, [12, 20, 25]) == 0
   # 3% predicted is below MIN_SPEEDUP: not worth a prediction error.
-  costs = BatchCosts(batch_size=1, step_seconds=0.01, iteration_seconds={1: 0.0194})
+  costs = BatchCosts(batch_size=1, step_seconds=0.01, call_seconds={1: 0.0194})
   assert predicted_speedups(costs, 1.0, [20])[1] == pytest.approx(1.03, abs=0.001)
   assert choose_gamma(costs, 1.0, [20]) == 0
 
 
 def test_a_switch_needs_a_clear_gain():
-  costs = BatchCosts(batch_size=1, step_seconds=0.01, iteration_seconds={2: 0.0140, 3: 0.0182})
+  costs = BatchCosts(batch_size=1, step_seconds=0.01, call_seconds={2: 0.0140, 3: 0.0182})
   # ceil(24/3) = 8 x 14 ms against ceil(24/4) = 6 x 18.2 ms: gamma 3 is 2.6% faster.
   assert choose_gamma(costs, 1.0, [24]) == 3
   assert choose_gamma(costs, 1.0, [24], current=2) == 2  # under MIN_SPEEDUP better
-  costs.iteration_seconds[3] = 0.0170  # 6 x 17 ms: 9.8% faster
+  costs.call_seconds[3] = 0.0170  # 6 x 17 ms: 9.8% faster
   assert choose_gamma(costs, 1.0, [24], current=2) == 3
 
 
 def test_what_the_run_realized_overrides_the_prediction():
-  costs = BatchCosts(batch_size=4, step_seconds=0.01, iteration_seconds={3: 0.015, 9: 0.04})
+  costs = BatchCosts(batch_size=4, step_seconds=0.01, call_seconds={3: 0.015, 9: 0.04})
   assert choose_gamma(costs, 0.99, [20]) == 3
   predicted = predicted_speedups(costs, 0.99, [20])
   assert predicted[3] > predicted[9] > 1.5
+  realized = lambda speedups: {g: v / predicted[g] for g, v in speedups.items()}  # noqa: E731
   # gamma 3 realized 0.9x, a third of its prediction: gamma 9's prediction falls alike.
-  assert choose_gamma(costs, 0.99, [20], realized={3: 0.9}) == 0
-  assert choose_gamma(costs, 0.99, [20], realized={9: 0.5 * predicted[9]}) == 3
-  assert choose_gamma(costs, 0.99, [20], realized={3: 0.9, 9: 1.02}) == 0
-  assert choose_gamma(costs, 0.99, [20], realized={3: 0.9, 9: 1.2}) == 9
-  assert choose_gamma(costs, 0.99, [20], current=9, realized={3: 0.9, 9: 0.97}) == 0
+  assert choose_gamma(costs, 0.99, [20], ratios=realized({3: 0.9})) == 0
+  assert choose_gamma(costs, 0.99, [20], ratios=realized({9: 0.5 * predicted[9]})) == 3
+  assert choose_gamma(costs, 0.99, [20], ratios=realized({3: 0.9, 9: 1.02})) == 0
+  assert choose_gamma(costs, 0.99, [20], ratios=realized({3: 0.9, 9: 1.2})) == 9
+  assert choose_gamma(costs, 0.99, [20], current=9,
+                      ratios=realized({3: 0.9, 9: 0.97})) == 0
 
 
 def test_a_shortfall_the_run_realized_scales_every_prediction_alike():
   """A run whose batches decode 10% slower against the calibration's baseline than the
   calibration predicted keeps its gamma: the others would fall short alike."""
   costs = BatchCosts(batch_size=4, step_seconds=0.01,
-                     iteration_seconds={2: 0.0140, 3: 0.0175, 5: 0.0245})
+                     call_seconds={2: 0.0140, 3: 0.0175, 5: 0.0245})
   predicted = predicted_speedups(costs, 0.98, [20])
   best = max(predicted, key=predicted.get)
   runner_up = max((g for g in predicted if g not in (0, best)), key=predicted.get)
   assert predicted[runner_up] > 0.9 * predicted[best] * auto_gamma.MIN_SPEEDUP
-  realized = {best: 0.9 * predicted[best]}
-  assert choose_gamma(costs, 0.98, [20], current=best, realized=realized) == best
-  scaled = auto_gamma.with_realized(predicted, realized)
+  assert choose_gamma(costs, 0.98, [20], current=best, ratios={best: 0.9}) == best
+  scaled = auto_gamma.scaled_by_ratios(predicted, {best: 0.9})
   assert scaled[runner_up] == pytest.approx(0.9 * predicted[runner_up])
-  assert scaled[0] == 1.0 and scaled[best] == realized[best]
+  assert scaled[0] == 1.0 and scaled[best] == pytest.approx(0.9 * predicted[best])
+  realized = {best: 0.9 * predicted[best]}
+  assert auto_gamma.with_realized(predicted, realized) == {**scaled, **realized}
+
+
+def _record_batches(decoder, gamma, rows, seconds, count):
+  for _ in range(count):
+    decoder._record(gamma, _lengths_output(rows), seconds)  # pylint: disable=protected-access
+
+
+def _lengths_output(rows):
+  """A speculative output whose only field read is its rows' lengths."""
+  output = auto_gamma.DecodeOutput(
+      tokens=None, token_log_probs=None, log_prob=None,
+      lengths=np.asarray(rows, np.int32), nonfinite_logits=None)
+  return auto_gamma.SpeculativeOutput(output=output, stats=None)
 
 
 def test_the_decoder_drops_a_gamma_that_does_worse_in_the_run():
-  decoder = AutoGammaDecoder(None, None, SpeculativeConfig(gamma='auto'), batch_size=4,
+  decoder = AutoGammaDecoder(None, None, SpeculativeConfig(gamma='auto'), batch_size=1,
                              gammas=(3,), refresh_batches=1)
-  decoder.costs = BatchCosts(4, 0.01, {3: 0.015})
+  decoder.costs = BatchCosts(1, 0.01, {3: 0.015})
   decoder.lengths = [20]
   decoder.overlap_sum, decoder.verified_positions = 99.0, 100  # alpha 0.99
   assert decoder.choose() == 3
-  # Four batches of 20-token outputs that took 0.25 s each, where the baseline's
-  # 20 steps would take 0.2 s: 0.8x realized.
-  for _ in range(AutoGammaDecoder.REALIZED_BATCHES):
-    decoder._realized.setdefault(3, [0.0, 0.0, 0])  # pylint: disable=protected-access
-    entry = decoder._realized[3]  # pylint: disable=protected-access
-    entry[0] += 0.2
-    entry[1] += 0.25
-    entry[2] += 1
-  assert decoder.realized_speedups() == {3: pytest.approx(0.8)}
+  predicted = auto_gamma.predicted_batch_seconds(decoder.costs, 0.99, 3, [20])
+  assert predicted == pytest.approx(
+      0.015 * cost_model.expected_calls_and_drafts(0.99, 3, 20)[0][20])
+  # Batches of 20-token outputs that took 0.25 s each, where the baseline's 20 steps
+  # would take 0.2 s: 0.8x realized.
+  _record_batches(decoder, 3, [20], 0.25, AutoGammaDecoder.REALIZED_BATCHES - 1)
+  assert decoder.realized_ratios() == {} and decoder.choose() == 3  # too few yet
+  _record_batches(decoder, 3, [20], 0.25, 1)
+  assert decoder.realized_ratios() == {3: pytest.approx(predicted / 0.25)}
   assert decoder.choose() == 0
+
+
+def test_gammas_are_judged_on_their_own_batches_not_on_each_others():
+  """Two gammas that each ran as predicted, one on the run's short strings and the other
+  on its long sentences, are at par with their predictions; their raw speedups (short
+  outputs speed up less whatever the gamma) would have sent the run to the one that
+  happened to decode the long ones."""
+  costs = BatchCosts(1, 0.01, {9: 0.02, 19: 0.02}, draft_seconds=0.002)
+  decoder = AutoGammaDecoder(None, None, SpeculativeConfig(gamma='auto'), batch_size=1,
+                             gammas=(9, 19), refresh_batches=1)
+  decoder.costs, decoder.lengths = costs, [4] * 10 + [40] * 10
+  decoder.overlap_sum, decoder.verified_positions = 100.0, 100  # alpha 1
+  short = auto_gamma.predicted_batch_seconds(costs, 1.0, 19, [4])  # 1 call, 4 drafts
+  long = auto_gamma.predicted_batch_seconds(costs, 1.0, 9, [40])  # 4 calls, 36 drafts
+  assert short == pytest.approx(0.02 + 4 * 0.002) and long == pytest.approx(4 * 0.02 + 36 * 0.002)
+  _record_batches(decoder, 19, [4], short, 8)
+  _record_batches(decoder, 9, [40], long, 8)
+  assert decoder.realized_ratios() == {9: pytest.approx(1.0), 19: pytest.approx(1.0)}
+  assert 0.04 / short < 0.4 / long  # 19's raw speedup is the smaller
+  assert decoder.choose() == 19  # 2 calls, not 4, for the 40-token outputs
 
 
 def test_beam_choice_is_plain_beam_search_unless_a_gamma_measures_clearly_faster():
@@ -189,10 +300,11 @@ def test_beam_choice_is_plain_beam_search_unless_a_gamma_measures_clearly_faster
   assert decoder.choose() == 1
   decoder._realized[1] = [0.4, 0.5, AutoGammaDecoder.REALIZED_BATCHES]  # pylint: disable=protected-access
   assert decoder.speedups()[1] == pytest.approx(0.8) and decoder.choose() == 0
+  assert decoder.speedups()[2] == pytest.approx(0.8 * 0.8 / 1.2)  # the others alike
 
 
 def test_measured_speedups_scale_the_model_at_their_own_alpha():
-  costs = BatchCosts(batch_size=2, step_seconds=0.01, iteration_seconds={3: 0.02},
+  costs = BatchCosts(batch_size=2, step_seconds=0.01, call_seconds={3: 0.02},
                      measured_speedup={3: 1.2}, alpha=0.9, lengths=(10, 14, 20))
   assert predicted_speedups(costs, 0.9, [10, 14, 20])[3] == pytest.approx(1.2)
   # A higher running alpha moves the prediction the way the model moves.
@@ -206,7 +318,7 @@ def test_measured_speedups_scale_the_model_at_their_own_alpha():
 def test_calibrations_round_trip_by_key(tmp_path):
   cache = GammaCostCache(tmp_path)
   key = {'machine': {'cpu': 'x'}, 'batch_size': 4}
-  costs = BatchCosts(4, 0.01, {1: 0.02, 9: 0.05}, {1: 0.9, 9: 0.7}, 0.95, (3, 4))
+  costs = BatchCosts(4, 0.01, {1: 0.02, 9: 0.05}, {1: 0.9, 9: 0.7}, 0.95, (3, 4), 0.003)
   cache.save(key, costs, 0.95, [3, 4])
   data = cache.load(key)
   assert BatchCosts.from_json(data['costs']) == costs
@@ -450,13 +562,18 @@ class _DeviceWork:
 
 class _SimulatedDevice:
   """The baseline and speculative decoders of a device where a baseline step takes
-  step_seconds and an iteration with gamma g iteration_seconds(g) (every draft
-  accepted: alpha 1); the first call on a (gamma, shape) compiles for compile_seconds."""
+  step_seconds and an iteration with gamma g call_seconds(g) plus draft_seconds a draft
+  step, every draft accepted (alpha 1): each iteration of a batch drafts while any row's
+  proposal goes on (min(g, tokens left), the loop's EOS-ended proposals). A batch is
+  rows of `lengths[batch[0, 0]]` output tokens; the first call on a (gamma, shape)
+  compiles for compile_seconds."""
 
-  def __init__(self, step_seconds, iteration_seconds, lengths, compile_seconds=100.0):
+  def __init__(self, step_seconds, call_seconds, draft_seconds, lengths,
+               compile_seconds=100.0):
     self.clock = _DeviceClock()
-    self.step_seconds, self.iteration_seconds = step_seconds, iteration_seconds
-    self.lengths = np.asarray(lengths, np.int32)
+    self.step_seconds, self.call_seconds = step_seconds, call_seconds
+    self.draft_seconds = draft_seconds
+    self.lengths = [np.asarray(rows, np.int32) for rows in lengths]
     self.compile_seconds = compile_seconds
     self.compiled = set()
 
@@ -466,39 +583,42 @@ class _SimulatedDevice:
       self.clock.now += self.compile_seconds
     return _DeviceWork(self.clock, device_seconds)
 
-  def _output(self, work):
-    rows = len(self.lengths)
+  def _output(self, work, lengths):
+    rows = len(lengths)
     return auto_gamma.DecodeOutput(
-        tokens=np.ones((rows, 32), np.int32), token_log_probs=np.zeros((rows, 32), np.float32),
-        log_prob=work, lengths=self.lengths, nonfinite_logits=np.zeros((rows,), bool))
+        tokens=np.ones((rows, 64), np.int32), token_log_probs=np.zeros((rows, 64), np.float32),
+        log_prob=work, lengths=lengths, nonfinite_logits=np.zeros((rows,), bool))
 
   def baseline(self, batch):
-    steps = int(self.lengths.max())
-    return self._output(self._dispatch(0, batch, steps * self.step_seconds))
+    lengths = self.lengths[int(batch[0, 0])]
+    steps = int(lengths.max())
+    return self._output(self._dispatch(0, batch, steps * self.step_seconds), lengths)
 
   def speculative(self, batch, spec):
-    iterations = -(-self.lengths // (spec.gamma + 1))  # [b]
-    calls = int(iterations.max())
-    work = self._dispatch(spec.gamma, batch,
-                          calls * self.iteration_seconds(spec.gamma))
-    drafted = int(np.sum(np.minimum(self.lengths, iterations * spec.gamma)))
+    lengths = self.lengths[int(batch[0, 0])]
+    left, iterations = lengths.copy(), np.zeros_like(lengths)
+    calls = draft_steps = drafted = 0
+    while np.any(left > 0):
+      proposals = np.minimum(spec.gamma, left)  # [b]: 0 for rows done
+      calls, draft_steps = calls + 1, draft_steps + int(proposals.max())
+      drafted += int(proposals.sum())
+      iterations += left > 0
+      left = np.maximum(left - (spec.gamma + 1), 0)
+    work = self._dispatch(spec.gamma, batch, calls * self.call_seconds(spec.gamma)
+                          + draft_steps * self.draft_seconds)
     stats = auto_gamma.SpeculativeStats(
-        target_calls=np.int32(calls), draft_calls=np.int32(calls * spec.gamma),
+        target_calls=np.int32(calls), draft_calls=np.int32(draft_steps),
         row_target_calls=iterations.astype(np.int32),
         accepted_per_position=np.zeros((spec.gamma,), np.int32),
         num_accepted_counts=np.zeros((spec.gamma + 1,), np.int32),
         overlap_sum=np.float32(drafted), verified_positions=np.int32(drafted),
         num_drafted_counts=np.zeros((spec.gamma + 1,), np.int32),
         target_positions=np.int32(calls * (spec.gamma + 1)))
-    return auto_gamma.SpeculativeOutput(output=self._output(work), stats=stats)
+    return auto_gamma.SpeculativeOutput(output=self._output(work, lengths), stats=stats)
 
 
-def _on_device(device):
-  decoder = AutoGammaDecoder(device.baseline, device.speculative, SpeculativeConfig(gamma=3),
-                             batch_size=2, gammas=(1, 3), clock=device.clock)
-  batches = [np.zeros((2, 5), np.int32), np.ones((2, 5), np.int32)]
-  decoder.calibrate(batches, rounds=(2, 2))
-  return decoder, batches
+def _batch(index, rows=2):
+  return np.full((rows, 5), index, np.int32)
 
 
 @pytest.mark.parametrize('draft_cost, expected', [(1.2, 0), (0.05, 3)])
@@ -506,17 +626,20 @@ def test_on_a_simulated_device_calibration_times_the_device_work_and_no_compile(
     draft_cost, expected):
   """Asynchronous dispatch: a call returns before its work is done, so a timing that did
   not wait would see no time at all; compiles (100 s each) would swamp 20 ms decodes.
-  The costs measured are the device's, exactly, and the choice follows them: the
+  The costs measured are the device's, exactly (a call's and a draft step's, told apart
+  by outputs whose proposals end early at their EOS), and the choice follows them: the
   baseline where a draft step costs more than a target step (a launch-bound draft on a
   GPU), gamma 3 where it costs 0.05 of one."""
-  device = _SimulatedDevice(step_seconds=1e-3,
-                            iteration_seconds=lambda g: 1e-3 * (1.0 + draft_cost * g),
-                            lengths=[12, 20])
-  decoder, batches = _on_device(device)
+  device = _SimulatedDevice(step_seconds=1e-3, call_seconds=lambda g: 1e-3 * (1.0 + 0.02 * g),
+                            draft_seconds=1e-3 * draft_cost, lengths=[[12, 18], [5, 9]])
+  decoder = AutoGammaDecoder(device.baseline, device.speculative, SpeculativeConfig(gamma=3),
+                             batch_size=2, gammas=(1, 3), clock=device.clock)
+  batches = [_batch(0), _batch(1)]
+  decoder.calibrate(batches, rounds=(2, 2))
   assert decoder.costs.step_seconds == pytest.approx(1e-3)
   for gamma in (1, 3):
-    assert decoder.costs.iteration_seconds[gamma] == pytest.approx(
-        1e-3 * (1.0 + draft_cost * gamma))
+    assert decoder.costs.call_seconds[gamma] == pytest.approx(1e-3 * (1.0 + 0.02 * gamma))
+  assert decoder.costs.draft_seconds == pytest.approx(1e-3 * draft_cost)
   assert decoder.alpha == pytest.approx(1.0)
   for batch in batches * 3:
     before = device.clock.now
@@ -524,6 +647,44 @@ def test_on_a_simulated_device_calibration_times_the_device_work_and_no_compile(
     decoder(batch)
     assert device.clock.now - before < 1.0  # nothing compiles once calibrated
   assert decoder.gamma_counts == {expected: 6}
+
+
+def test_short_outputs_after_a_calibration_on_long_ones_keep_the_long_proposals():
+  """The main job's case: gammas 9 and 19 calibrated on sentences of 20-40 tokens, where
+  19 takes half of 9's target calls; then the run opens with a hundred strings of 3-4
+  tokens (one call and 3-4 drafts whatever the gamma) and goes on to sentences. 19 stays
+  throughout: the short strings cost it what they cost 9. A price a call alone (each
+  gamma's seconds over its calls, drafts and all) would charge a 4-token output a
+  19-draft call and move the run to 9 on those strings."""
+  sentences = [[n] for n in range(20, 41, 4)]
+  strings = [[3], [4]]
+  device = _SimulatedDevice(step_seconds=1e-3, call_seconds=lambda g: 1.5e-3 + 1e-5 * g,
+                            draft_seconds=0.1e-3, lengths=sentences + strings)
+  decoder = AutoGammaDecoder(device.baseline, device.speculative,
+                             SpeculativeConfig(gamma='auto'), batch_size=1, gammas=(9, 19),
+                             refresh_batches=8, clock=device.clock)
+  decoder.calibrate([_batch(i, rows=1) for i in range(len(sentences))], rounds=(2, 2))
+  assert decoder.costs.draft_seconds == pytest.approx(0.1e-3)
+  run = ([_batch(len(sentences) + i % 2, rows=1) for i in range(100)]
+         + [_batch(i % len(sentences), rows=1) for i in range(60)])
+  for batch in run:
+    decoder.ready(batch)
+    decoder(batch)
+  assert decoder.gamma_counts == {19: len(run)}
+  # What the same run would do under a price a call alone.
+  by_call = BatchCosts(1, decoder.costs.step_seconds, {
+      g: sum(decoder.costs.seconds(g, c, d) for c, d in [_work(device, g, rows)
+                                                         for rows in sentences])
+      / sum(_work(device, g, rows)[0] for rows in sentences) for g in (9, 19)})
+  assert choose_gamma(by_call, 1.0, decoder.lengths[:len(sentences) + 60], current=19) == 9
+
+
+def _work(device, gamma, rows):
+  """(target calls, draft steps) of the simulated device's decode of one batch."""
+  index = next(i for i, r in enumerate(device.lengths) if list(r) == list(rows))
+  stats = device.speculative(_batch(index, rows=len(rows)),
+                             SpeculativeConfig(gamma=gamma)).stats
+  return int(stats.target_calls), int(stats.draft_calls)
 
 
 class _FakeDevice:

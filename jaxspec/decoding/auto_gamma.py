@@ -8,22 +8,31 @@ compute-bound by b = 8, where speculation with any gamma loses to the baseline; 
 accelerator the crossover sits elsewhere. gamma = 0 means the baseline itself.
 
 The model. A batch decodes until its longest row ends.
-  baseline:     time = steps x step_seconds,            steps = the longest row's tokens
-  speculative:  time = iterations x iteration_seconds[g], iterations = the most any row takes
+  baseline:     time = steps x step_seconds,     steps = the longest row's tokens
+  speculative:  time = iterations x call_seconds[g] + drafts x draft_seconds,
+                iterations = the most any row takes, drafts = the draft steps it runs
 Each iteration of a row accepts its drafts up to the first rejection, each accepted with
-probability alpha (the paper's i.i.d. model, Section 3.1), and adds one token.
-E[iterations] and E[steps] follow exactly from the output lengths seen so far and alpha
-(`expected_batch_iterations`); step_seconds and iteration_seconds[g] are measured on the
-machine, for the pair and the batch size (`BatchCosts`, by `AutoGammaDecoder.calibrate`
-from whole decodes, so the loop's own bookkeeping is in them), and alpha is the running
-estimate (Corollary 3.6) over every speculative batch decoded so far.
+probability alpha (the paper's i.i.d. model, Section 3.1), and adds one token; a proposal
+drafts min(g, tokens left), as the loop's end at the output's EOS. So an output of 4
+tokens costs gamma 19 what it costs gamma 9 (one call, 4 drafts), and gamma 19 pays only
+on outputs longer than 10: a price a call alone (each gamma's mean over the
+calibration's outputs) charged short outputs for drafts they never ran and sent runs
+from 19 to 9 on a few short strings. E[iterations], E[drafts] and E[steps] follow from
+the output lengths seen so far and alpha (`expected_batch_iterations`,
+`expected_batch_drafts`); step_seconds, call_seconds[g] and draft_seconds are measured on
+the machine, for the pair and the batch size (`BatchCosts`, by
+`AutoGammaDecoder.calibrate` from whole decodes, so the loop's own bookkeeping is in
+them: `fit_call_and_draft_seconds`), and alpha is the running estimate (Corollary 3.6)
+over every speculative batch decoded so far.
 
-As the run goes on it measures itself: the seconds of each batch against what the
-baseline would have taken (its step cost times the batch's longest output) give the
-speedup each gamma realizes, which replaces the prediction once a gamma has decoded a
-few batches, and scales the other gammas' predictions alike (`with_realized`: what
-moves one gamma off its prediction, the run's batches or the machine's speed, moves all
-of them), so a gamma that does worse in the run than the others would is dropped.
+As the run goes on it measures itself: the seconds of each gamma's batches against what
+the model predicted for exactly those batches (their output lengths) give how far that
+gamma runs off its prediction, which scales its prediction once it has decoded a few
+batches, and the other gammas' predictions alike (`scaled_by_ratios`: what moves one gamma
+off its prediction, the machine's speed that hour or the model's error, moves all of
+them), so a gamma that does worse in the run than the others would is dropped, and a
+gamma that decoded the run's short strings is not judged against one that decoded its
+long ones.
 
 The same on every platform: each timing waits for the decoder's outputs on the device
 (`jax.block_until_ready`; on a GPU or TPU a call returns as soon as its work is queued),
@@ -58,6 +67,7 @@ from jaxspec.decoding.speculative_beam import (SpeculativeBeamConfig, Speculativ
                                                SpeculativeBeamStats)
 from jaxspec.decoding.speculative import AUTO  # noqa: F401  (re-exported)
 from jaxspec.decoding.speculative import SpeculativeConfig, SpeculativeOutput, SpeculativeStats
+from jaxspec.measure import cost_model
 
 DEFAULT_GAMMAS = (1, 2, 3, 5, 9)  # gammas measured by calibration (gamma 0 always is)
 # Calibration rounds: each decodes the calibration batches once with every candidate,
@@ -78,8 +88,9 @@ CACHE_DIR_ENV = 'JAXSPEC_CALIBRATION_DIR'
 
 @dataclasses.dataclass
 class BatchCosts:
-  """Measured at one batch size: seconds per baseline step and per speculative iteration
-  of each gamma (the decoder's whole time over the steps or iterations it ran).
+  """Measured at one batch size: seconds a baseline step; a speculative iteration of
+  each gamma costs call_seconds[g] (the verify step, the verdict, the loop's own work)
+  plus draft_seconds for each draft step it runs (`fit_call_and_draft_seconds`).
 
   Where the costs come from whole decodes of real batches, `measured_speedup[g]` is the
   baseline's time over gamma g's on those same batches, at `alpha` with `lengths`: the
@@ -88,25 +99,60 @@ class BatchCosts:
   carried by the measurement and only the drift of alpha and lengths by the model."""
   batch_size: int
   step_seconds: float
-  iteration_seconds: dict[int, float]
+  call_seconds: dict[int, float]
   measured_speedup: dict[int, float] = dataclasses.field(default_factory=dict)
   alpha: float | None = None  # over the measured batches
   lengths: tuple[int, ...] = ()  # output lengths of the measured batches
+  draft_seconds: float = 0.0
 
   def to_json(self) -> dict:
     return {'batch_size': self.batch_size, 'step_seconds': self.step_seconds,
-            'iteration_seconds': {str(g): s for g, s in self.iteration_seconds.items()},
+            'call_seconds': {str(g): s for g, s in self.call_seconds.items()},
+            'draft_seconds': self.draft_seconds,
             'measured_speedup': {str(g): s for g, s in self.measured_speedup.items()},
             'alpha': self.alpha, 'lengths': list(self.lengths)}
 
   @classmethod
   def from_json(cls, data: Mapping[str, Any]) -> 'BatchCosts':
     return cls(batch_size=int(data['batch_size']), step_seconds=float(data['step_seconds']),
-               iteration_seconds={int(g): float(s)
-                                  for g, s in data['iteration_seconds'].items()},
+               call_seconds={int(g): float(s) for g, s in data['call_seconds'].items()},
+               draft_seconds=float(data.get('draft_seconds', 0.0)),
                measured_speedup={int(g): float(s)
                                  for g, s in data.get('measured_speedup', {}).items()},
                alpha=data.get('alpha'), lengths=tuple(data.get('lengths', ())))
+
+  def seconds(self, gamma: int, iterations, drafts):
+    """A speculative batch's seconds with gamma: its iterations and draft steps."""
+    return iterations * self.call_seconds[gamma] + drafts * self.draft_seconds
+
+
+def fit_call_and_draft_seconds(samples: Mapping[int, Sequence[tuple[float, int, int]]]
+                               ) -> tuple[dict[int, float], float]:
+  """({gamma: call_seconds}, draft_seconds) from decoded batches, samples {gamma:
+  [(seconds, target calls, draft steps)]}: least squares of every batch's seconds on
+  its calls (a cost a gamma: the verify width differs) and its draft steps (one cost for
+  all: a draft step is the same program whatever gamma ran it), over every gamma at
+  once, none negative. Where the draft steps cannot be told apart from the calls (each
+  gamma's batches drafting in the same proportion to their calls, as at alpha 1 with
+  outputs of one length), every cost goes to the calls: draft_seconds 0, each gamma's
+  seconds over its calls."""
+  gammas = sorted(samples)
+  rows = [(g, s, c, d) for g in gammas for s, c, d in samples[g]]
+  seconds = np.array([r[1] for r in rows], np.float64)  # [batches]
+  design = np.zeros((len(rows), len(gammas) + 1))  # [batches, gammas + 1]
+  for i, (g, _, calls, drafts) in enumerate(rows):
+    design[i, gammas.index(g)] = calls
+    design[i, -1] = drafts
+  free = np.ones(design.shape[1], bool)
+  if np.linalg.matrix_rank(design) < design.shape[1]:
+    free[-1] = False
+  while True:  # least squares over the free costs; a negative one is held at 0
+    solution = np.zeros(design.shape[1])
+    solution[free], *_ = np.linalg.lstsq(design[:, free], seconds, rcond=None)
+    if np.all(solution >= 0.0):
+      break
+    free &= solution > 0.0
+  return {g: float(solution[i]) for i, g in enumerate(gammas)}, float(solution[-1])
 
 
 def row_iterations(lengths: np.ndarray, alpha: float, gamma: int,
@@ -157,6 +203,14 @@ def done_within(longest: int, alpha: float, gamma: int) -> np.ndarray:
   return done
 
 
+def _longest_row(lengths: Sequence[int], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """(frequency [L + 1] of the lengths, at_most [L + 1]: P(the longest of batch_size rows
+  drawn from them is <= m))."""
+  lengths = np.asarray(lengths, np.int64)
+  frequency = np.bincount(lengths, minlength=int(lengths.max()) + 1) / lengths.size
+  return frequency, np.cumsum(frequency) ** batch_size
+
+
 def expected_batch_iterations(lengths: Sequence[int], alpha: float, gamma: int,
                               batch_size: int) -> tuple[float, float]:
   """(E[baseline steps], E[speculative iterations]) of a batch of batch_size rows whose
@@ -168,26 +222,89 @@ def expected_batch_iterations(lengths: Sequence[int], alpha: float, gamma: int,
   and each length's iterations (done_within). Milliseconds: a decision runs between
   batches, which take tens of milliseconds on an accelerator (a simulation of 512
   batches took 0.1-0.4 s a decision there, a tenth of the run's time and more)."""
-  lengths = np.asarray(lengths, np.int64)
-  longest = int(lengths.max())
-  frequency = np.bincount(lengths, minlength=longest + 1) / lengths.size  # [L + 1]
-  at_most = np.cumsum(frequency)  # [L + 1]: P(a row's length <= m)
-  steps = float(np.sum(1.0 - at_most[:-1] ** batch_size))
+  frequency, longest_at_most = _longest_row(lengths, batch_size)
+  steps = float(np.sum(1.0 - longest_at_most[:-1]))
   if gamma == 0:
     return steps, steps
   # [K + 1]: P(a drawn row is done within k iterations)
-  done = done_within(longest, round(float(alpha), 12), gamma) @ frequency
+  done = done_within(frequency.size - 1, round(float(alpha), 12), gamma) @ frequency
   return steps, float(np.sum(1.0 - np.minimum(done[:-1], 1.0) ** batch_size))
+
+
+@functools.lru_cache(maxsize=64)
+def row_calls_and_drafts(longest: int, alpha: float, gamma: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+  """(calls [L + 1], drafts [L + 1]) with L = longest: a row of n tokens' expected target
+  calls and drafted tokens (cost_model's recursion: a proposal drafts min(gamma, tokens
+  left), ending at the output's EOS as the loop's do). Read-only: shared (cached)."""
+  calls, drafts = cost_model.expected_calls_and_drafts(alpha, gamma, longest)
+  calls.flags.writeable = drafts.flags.writeable = False
+  return calls, drafts
+
+
+def _drafts_a_call(alpha: float, gamma: int, longest_row: np.ndarray) -> float:
+  """E[draft steps a target call] of a batch whose longest row's length is distributed
+  as longest_row [L + 1]: that row's expected drafts over its expected calls (the loop
+  drafts while any row's proposal goes on, and the longest row's goes on the longest)."""
+  calls, drafts = row_calls_and_drafts(longest_row.size - 1, round(float(alpha), 12), gamma)
+  return float(longest_row @ drafts) / max(float(longest_row @ calls), 1e-12)
+
+
+def expected_batch_drafts(lengths: Sequence[int], alpha: float, gamma: int,
+                          batch_size: int) -> float:
+  """E[draft steps] of a batch of batch_size rows drawn from `lengths`: its iterations
+  (expected_batch_iterations) times its longest row's drafts a call. Exact at batch 1
+  (a row's expected drafts); at larger batches the drafts of rows that outlast the
+  longest one's calls are counted at that row's rate."""
+  _, longest_at_most = _longest_row(lengths, batch_size)
+  longest_row = np.diff(longest_at_most, prepend=0.0)  # [L + 1] P(longest = m)
+  _, iterations = expected_batch_iterations(lengths, alpha, gamma, batch_size)
+  return iterations * _drafts_a_call(alpha, gamma, longest_row)
+
+
+def expected_rows_work(rows: Sequence[int], alpha: float, gamma: int,
+                       horizon: int | None = None) -> tuple[float, float, float]:
+  """(steps, E[iterations], E[draft steps]) of a batch of exactly these rows' lengths:
+  what the model predicts for a batch already decoded. horizon: any length >= the
+  longest row (decisions pass one for all batches, so that their tables are shared)."""
+  rows = np.asarray(rows, np.int64)
+  longest = int(rows.max())
+  horizon = max(longest, horizon or 0)
+  done = done_within(horizon, round(float(alpha), 12), gamma)[:, rows]  # [K + 1, b]
+  iterations = float(np.sum(1.0 - np.prod(done[:-1], axis=1)))
+  longest_row = np.zeros(horizon + 1)
+  longest_row[longest] = 1.0
+  return float(longest), iterations, iterations * _drafts_a_call(alpha, gamma, longest_row)
 
 
 def model_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
                    ) -> dict[int, float]:
   """{gamma: baseline time / speculative time} by the model alone (0: 1.0)."""
   speedups = {0: 1.0}
-  for gamma, seconds in sorted(costs.iteration_seconds.items()):
+  for gamma in sorted(costs.call_seconds):
     steps, iterations = expected_batch_iterations(lengths, alpha, gamma, costs.batch_size)
-    speedups[gamma] = steps * costs.step_seconds / max(iterations * seconds, 1e-12)
+    drafts = (expected_batch_drafts(lengths, alpha, gamma, costs.batch_size)
+              if costs.draft_seconds else 0.0)
+    seconds = costs.seconds(gamma, iterations, drafts)
+    speedups[gamma] = steps * costs.step_seconds / max(seconds, 1e-12)
   return speedups
+
+
+@functools.lru_cache(maxsize=16)
+def _calibration_scales(costs_json: str) -> dict[int, float]:
+  costs = BatchCosts.from_json(json.loads(costs_json))
+  at_measurement = model_speedups(costs, costs.alpha, costs.lengths)
+  return {g: measured / max(at_measurement[g], 1e-12)
+          for g, measured in costs.measured_speedup.items() if g in at_measurement}
+
+
+def calibration_scales(costs: BatchCosts) -> dict[int, float]:
+  """{gamma: measured speedup / the model's} at the calibration's own alpha and lengths,
+  where the costs carry a measurement (else empty): what the model leaves out. Cached
+  (a run asks at every decision for the same costs)."""
+  if not (costs.measured_speedup and costs.alpha is not None and costs.lengths):
+    return {}
+  return _calibration_scales(json.dumps(costs.to_json(), sort_keys=True))
 
 
 def predicted_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
@@ -196,41 +313,55 @@ def predicted_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
   by measured / modelled at the measurement's own alpha and lengths where the costs
   carry a measurement."""
   speedups = model_speedups(costs, alpha, lengths)
-  if costs.measured_speedup and costs.alpha is not None and costs.lengths:
-    at_measurement = model_speedups(costs, costs.alpha, costs.lengths)
-    for gamma, measured in costs.measured_speedup.items():
-      if gamma in speedups:
-        speedups[gamma] *= measured / max(at_measurement[gamma], 1e-12)
+  for gamma, scale in calibration_scales(costs).items():
+    speedups[gamma] *= scale
   return speedups
+
+
+def predicted_batch_seconds(costs: BatchCosts, alpha: float, gamma: int,
+                            rows: Sequence[int], horizon: int | None = None) -> float:
+  """The seconds `predicted_speedups` expects of gamma on a batch of exactly these rows'
+  output lengths (the model's, over the calibration's scale)."""
+  steps, iterations, drafts = expected_rows_work(rows, alpha, gamma, horizon)
+  if gamma == 0:
+    return steps * costs.step_seconds
+  scale = calibration_scales(costs).get(gamma, 1.0)
+  return costs.seconds(gamma, iterations, drafts if costs.draft_seconds else 0.0) / scale
+
+
+def scaled_by_ratios(predicted: Mapping[int, float], ratios: Mapping[int, float] | None
+                     ) -> dict[int, float]:
+  """{gamma: speedup}: each prediction times the ratio its gamma realized in the run
+  (realized / predicted, on its own batches), the gammas without one by the geometric
+  mean of the others'. What moves a gamma off its prediction (the machine's speed that
+  hour, the baseline's cost the calibration measured, the model's error) moves every
+  gamma alike, so a gamma that realized 5% under its prediction is compared with the
+  others' predictions 5% lower, not with their calibration-time values (which sent runs
+  from the best gamma to worse ones). Gamma 0, the baseline itself, stays 1."""
+  ratios = {g: r for g, r in (ratios or {}).items() if g and g in predicted and r > 0.0}
+  scale = float(np.exp(np.mean(np.log(list(ratios.values()))))) if ratios else 1.0
+  return {g: (v if g == 0 else v * ratios.get(g, scale)) for g, v in predicted.items()}
 
 
 def with_realized(predicted: Mapping[int, float], realized: Mapping[int, float] | None
                   ) -> dict[int, float]:
-  """{gamma: speedup}: the run's realized speedups where it has them, and the other
-  gammas' predictions scaled by how far the realized ones fell from their own
-  predictions (the geometric mean of realized / predicted). What moves a realized speedup
-  off its prediction (the run's batches against the calibration's, the machine's speed
-  that hour, the baseline's cost the calibration measured) moves every gamma alike, so
-  a gamma that realized 5% under its prediction is compared with the others' predictions
-  5% lower, not with their calibration-time values (which sent runs from the best gamma
-  to worse ones). Gamma 0, the baseline itself, stays 1."""
-  realized = dict(realized or {})
-  ratios = [realized[g] / predicted[g] for g in realized
-            if g and predicted.get(g, 0.0) > 0.0 and realized[g] > 0.0]
-  scale = float(np.exp(np.mean(np.log(ratios)))) if ratios else 1.0
-  return {**{g: (v if g == 0 else v * scale) for g, v in predicted.items()}, **realized}
+  """{gamma: speedup}: the run's realized speedups where it has them, the others'
+  predictions scaled as the realized ones fell from their own (`scaled_by_ratios`)."""
+  realized = {g: v for g, v in (realized or {}).items() if predicted.get(g, 0.0) > 0.0}
+  return {**scaled_by_ratios(predicted, {g: v / predicted[g] for g, v in realized.items()}),
+          **realized}
 
 
 def choose_gamma(costs: BatchCosts, alpha: float, lengths: Sequence[int],
                  min_speedup: float = MIN_SPEEDUP, current: int | None = None,
-                 realized: Mapping[int, float] | None = None) -> int:
+                 ratios: Mapping[int, float] | None = None) -> int:
   """The gamma of the largest predicted speedup; 0 (the baseline) unless some gamma is
-  predicted at least min_speedup. `realized` ({gamma: speedup}) replaces the prediction
-  of the gammas the run itself has measured and scales the others' (`with_realized`).
+  predicted at least min_speedup. `ratios` ({gamma: realized / predicted on its own
+  batches}, the run's) scale the predictions (`scaled_by_ratios`).
   With `current` (the gamma in use), a switch needs the new gamma predicted min_speedup
   times faster than it: each program compiles on first use, and flipping between
   near-equal choices would only pay compiles."""
-  speedups = with_realized(predicted_speedups(costs, alpha, lengths), realized)
+  speedups = scaled_by_ratios(predicted_speedups(costs, alpha, lengths), ratios)
   best = max(speedups, key=lambda g: (speedups[g], -g))
   if not best or speedups[best] < min_speedup:
     return 0  # no gamma pays clearly: the baseline, whatever ran before
@@ -376,30 +507,31 @@ class _ChoosingDecoder:
 
   def _time_candidates(self, batches: Sequence[Any], rounds: tuple[int, int],
                        budget_seconds: float = 0.0):
-    """({gamma: the fastest round of decoding `batches`}, {gamma: the first round's
-    outputs}) for 0 and every gamma, compiled first and interleaved batch by batch so
-    that load hits all alike. rounds (least, most): rounds past the least run while
-    another one fits in budget_seconds of timed decoding."""
+    """({gamma: the seconds of each batch [len(batches)] in the fastest round of
+    decoding `batches`}, {gamma: the first round's outputs}) for 0 and every gamma,
+    compiled first and interleaved batch by batch so that load hits all alike. rounds
+    (least, most): rounds past the least run while another one fits in budget_seconds
+    of timed decoding."""
     candidates = (0,) + self.gammas
     for gamma in candidates:
       for batch in batches:
         self._compile(gamma, batch)
-    fastest = {g: np.inf for g in candidates}
+    fastest = {g: [np.inf] for g in candidates}
     outputs: dict[int, list] = {g: [] for g in candidates}
     least, most = rounds
     spent = 0.0
     for repeat in range(most):
       if repeat >= max(least, 1) and spent * (repeat + 1) / repeat > budget_seconds:
         break
-      seconds = {g: 0.0 for g in candidates}
+      seconds: dict[int, list] = {g: [] for g in candidates}
       for batch in batches:
         for gamma in candidates:
           output, elapsed = _timed(self._decoder(gamma), batch, self.clock)
-          seconds[gamma] += elapsed
+          seconds[gamma].append(elapsed)
           if repeat == 0:
             outputs[gamma].append(output)
-      spent += sum(seconds.values())
-      fastest = {g: min(fastest[g], seconds[g]) for g in candidates}
+      spent += sum(map(sum, seconds.values()))
+      fastest = {g: min(fastest[g], seconds[g], key=sum) for g in candidates}
     return fastest, outputs
 
   def ready(self, batch):
@@ -418,17 +550,21 @@ class _ChoosingDecoder:
     self._compile(gamma, batch)
     self.gamma_counts[gamma] = self.gamma_counts.get(gamma, 0) + 1
     output, seconds = _timed(self._decoder(gamma), batch, self.clock)
-    steps = self._work(output)
     if gamma == 0:
       self._plain_seconds += seconds
-      self._plain_steps += steps
+      self._plain_steps += self._work(output)
     else:
-      entry = self._realized.setdefault(gamma, [0.0, 0.0, 0])
-      entry[0] += self.plain_step_seconds() * steps
-      entry[1] += seconds
-      entry[2] += 1
+      self._record(gamma, output, seconds)
     self._observe(gamma, output)
     return output
+
+  def _record(self, gamma: int, output, seconds: float):
+    """Keeps what a batch decoded with gamma (not 0) realized: by default the plain
+    decoder's seconds for its work (`realized_speedups`)."""
+    entry = self._realized.setdefault(gamma, [0.0, 0.0, 0])
+    entry[0] += self.plain_step_seconds() * self._work(output)
+    entry[1] += seconds
+    entry[2] += 1
 
 
 class AutoGammaDecoder(_ChoosingDecoder):
@@ -461,6 +597,8 @@ class AutoGammaDecoder(_ChoosingDecoder):
     self.refresh_batches = refresh_batches
     self._since_decision = 0
     self._alpha_prior: float | None = None
+    # gamma -> {a batch's output lengths, sorted: [batches, their seconds]}
+    self._batches: dict[int, dict[tuple[int, ...], list]] = {}
 
   def spec_for(self, gamma: int) -> SpeculativeConfig:
     lengths = tuple(k for k in self.spec.verify_lengths if k <= gamma)
@@ -505,23 +643,51 @@ class AutoGammaDecoder(_ChoosingDecoder):
 
   def calibrate(self, batches: Sequence[Any], rounds: tuple[int, int] = CALIBRATION_ROUNDS,
                 budget_seconds: float = CALIBRATION_SECONDS):
-    """Measures step_seconds and iteration_seconds[g] over `batches` (decoded once each
-    untimed first, which compiles), interleaving the decoders so that load hits all
-    alike; the fastest of rounds[0] to rounds[1] rounds (as many as budget_seconds of
-    decoding holds). Saves them in the cache."""
-    seconds, outputs = self._time_candidates(batches, rounds, budget_seconds)
+    """Measures step_seconds, call_seconds[g] and draft_seconds over `batches` (decoded
+    once each untimed first, which compiles), interleaving the decoders so that load
+    hits all alike; the fastest of rounds[0] to rounds[1] rounds (as many as
+    budget_seconds of decoding holds). Saves them in the cache."""
+    per_batch, outputs = self._time_candidates(batches, rounds, budget_seconds)
     for gamma, gamma_outputs in outputs.items():
       for output in gamma_outputs:  # lengths from the baseline's, alpha from the others'
         self._observe(gamma, output, lengths=gamma == 0)
+    seconds = {g: sum(s) for g, s in per_batch.items()}
     steps = sum(self._work(output) for output in outputs[0])
-    calls = {g: sum(int(o.stats.target_calls) for o in outputs[g]) for g in self.gammas}
+    samples = {g: [(s, int(o.stats.target_calls), int(o.stats.draft_calls))
+                   for s, o in zip(per_batch[g], outputs[g])] for g in self.gammas}
+    call_seconds, draft_seconds = fit_call_and_draft_seconds(samples)
     self.costs = BatchCosts(
         batch_size=self.batch_size, step_seconds=seconds[0] / max(steps, 1),
-        iteration_seconds={g: seconds[g] / max(calls[g], 1) for g in self.gammas},
+        call_seconds=call_seconds, draft_seconds=draft_seconds,
         measured_speedup={g: seconds[0] / max(seconds[g], 1e-12) for g in self.gammas},
         alpha=self.alpha, lengths=tuple(self.lengths))
     if self.cache is not None and self.key is not None:
       self.cache.save(self.key, self.costs, self.alpha, self.lengths)
+
+  def _record(self, gamma: int, output: SpeculativeOutput, seconds: float):
+    """Keeps the batch's seconds by its rows' output lengths (`realized_ratios` compares
+    them with what the model predicts for exactly those lengths)."""
+    rows = tuple(sorted(int(n) for n in jax.device_get(output.output.lengths)))
+    entry = self._batches.setdefault(gamma, {}).setdefault(rows, [0, 0.0])
+    entry[0] += 1
+    entry[1] += seconds
+
+  def realized_ratios(self) -> dict[int, float]:
+    """{gamma: predicted / realized seconds over the batches the run decoded with it}
+    (above 1: faster than predicted) for each gamma that decoded REALIZED_BATCHES
+    batches, at the running alpha, the baseline's side at the run's own plain step cost
+    once it has one: how far each gamma runs off its prediction, whatever the lengths of
+    the batches it happened to decode."""
+    plain = self.plain_step_seconds() / self.costs.step_seconds
+    ratios = {}
+    for gamma, by_rows in self._batches.items():
+      if sum(n for n, _ in by_rows.values()) < self.REALIZED_BATCHES:
+        continue
+      horizon = max(max(rows) for rows in by_rows)
+      predicted = sum(n * predicted_batch_seconds(self.costs, self.alpha, gamma, rows, horizon)
+                      for rows, (n, _) in by_rows.items())
+      ratios[gamma] = plain * predicted / max(sum(s for _, s in by_rows.values()), 1e-12)
+    return ratios
 
   def choose(self) -> int:
     """The gamma for the next batch: decided anew every `refresh_batches` batches (a
@@ -529,11 +695,11 @@ class AutoGammaDecoder(_ChoosingDecoder):
     if self.costs is None:
       raise ValueError('AutoGammaDecoder has no costs: calibrate() or load_calibration() '
                        'first')
-    if not self.lengths or not self.costs.iteration_seconds:
+    if not self.lengths or not self.costs.call_seconds:
       return 0
     if self.current is None or self._since_decision >= self.refresh_batches:
       self.current = choose_gamma(self.costs, self.alpha, self.lengths, self.min_speedup,
-                                  self.current, self.realized_speedups())
+                                  self.current, self.realized_ratios())
       self._since_decision = 0
     self._since_decision += 1
     return self.current
@@ -590,7 +756,8 @@ class AutoBeamDecoder(_ChoosingDecoder):
                 budget_seconds: float = CALIBRATION_SECONDS):
     """Times plain beam search and each gamma over `batches` (compiled first),
     interleaved; the fastest of rounds[0] to rounds[1] rounds (as AutoGammaDecoder's)."""
-    seconds, outputs = self._time_candidates(batches, rounds, budget_seconds)
+    per_batch, outputs = self._time_candidates(batches, rounds, budget_seconds)
+    seconds = {g: sum(s) for g, s in per_batch.items()}
     self.step_seconds = seconds[0] / max(sum(self._work(o) for o in outputs[0]), 1)
     self.measured = {g: seconds[0] / max(seconds[g], 1e-12) for g in self.gammas}
 
