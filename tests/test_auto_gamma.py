@@ -140,29 +140,42 @@ def test_a_batchs_expected_drafts_are_near_the_simulations_mean(alpha, gamma):
   assert exact == pytest.approx(_simulated_drafts(rows, alpha, gamma, rng).mean(), rel=0.1)
 
 
-def test_call_and_draft_costs_are_told_apart_across_gammas():
-  """Least squares over every gamma's batches: a cost a call for each gamma and one a
-  draft step, from noisy seconds; every cost to the calls where the drafts cannot be told
-  apart; none negative."""
+def test_the_costs_are_told_apart_over_every_decoders_batches():
+  """Least squares over the baseline's and every gamma's batches: a cost a batch and a
+  step, a cost a call for each gamma and one a draft step, from noisy seconds; a cost
+  the batches cannot tell apart is 0 (the others carry it); none negative."""
   rng = np.random.default_rng(4)
   call = {1: 0.010, 3: 0.011, 9: 0.013}
-  samples = {}
+  lengths = rng.integers(3, 60, 48)
+  noise = lambda: rng.normal(0, 2e-4)  # noqa: E731
+  plain = [(0.008 + n * 0.007 + noise(), int(n)) for n in lengths]
+  speculative = {}
   for g in call:
-    lengths = rng.integers(3, 60, 48)
     work = [(int(np.ceil(n / (g + 1))), int(n - np.ceil(n / (g + 1)) + min(g, n) // 2))
             for n in lengths]
-    samples[g] = [(c * call[g] + d * 0.002 + rng.normal(0, 2e-4), c, d) for c, d in work]
-  fitted, draft = auto_gamma.fit_call_and_draft_seconds(samples)
-  assert draft == pytest.approx(0.002, rel=0.05)
-  assert fitted == {g: pytest.approx(v, rel=0.05) for g, v in call.items()}
+    speculative[g] = [(0.008 + c * call[g] + d * 0.002 + noise(), c, d) for c, d in work]
+  costs = auto_gamma.fit_batch_costs(1, plain, speculative)
+  assert costs.batch_seconds == pytest.approx(0.008, rel=0.05)
+  assert costs.step_seconds == pytest.approx(0.007, rel=0.05)
+  assert costs.draft_seconds == pytest.approx(0.002, rel=0.05)
+  assert costs.call_seconds == {g: pytest.approx(v, rel=0.05) for g, v in call.items()}
   # Drafts in one proportion to the calls in each gamma: no telling them apart.
-  fitted, draft = auto_gamma.fit_call_and_draft_seconds(
-      {1: [(0.03, 2, 2), (0.06, 4, 4)], 3: [(0.05, 2, 6)]})
-  assert draft == 0.0 and fitted == {1: pytest.approx(0.015), 3: pytest.approx(0.025)}
+  costs = auto_gamma.fit_batch_costs(
+      2, [(0.02, 2), (0.04, 4)], {1: [(0.03, 2, 2), (0.06, 4, 4)], 3: [(0.05, 2, 6)]})
+  assert costs.draft_seconds == 0.0 and costs.batch_seconds == pytest.approx(0.0, abs=1e-12)
+  assert costs.step_seconds == pytest.approx(0.01)
+  assert costs.call_seconds == {1: pytest.approx(0.015), 3: pytest.approx(0.025)}
+  # Every batch of one length: its cost goes to the steps and calls.
+  costs = auto_gamma.fit_batch_costs(
+      1, [(0.05, 5)] * 3, {1: [(0.03, 3, 2)] * 3, 3: [(0.02, 2, 3)] * 3})
+  assert costs.batch_seconds == 0.0 and costs.draft_seconds == 0.0
+  assert costs.baseline_seconds(5) == pytest.approx(0.05)
+  assert costs.seconds(1, 3, 2) == pytest.approx(0.03)
   # Seconds that fall with the drafts: held at 0, the calls carry them.
-  fitted, draft = auto_gamma.fit_call_and_draft_seconds(
+  costs = auto_gamma.fit_batch_costs(
+      1, [(0.02, 2), (0.05, 5)],
       {1: [(0.03, 2, 1), (0.02, 2, 9)], 3: [(0.05, 2, 6), (0.04, 2, 3)]})
-  assert draft == 0.0 and min(fitted.values()) > 0.0
+  assert costs.draft_seconds == 0.0 and min(costs.call_seconds.values()) > 0.0
 
 
 def _brute_force_best(costs: BatchCosts, length: int, min_speedup: float) -> int:
@@ -562,15 +575,16 @@ class _DeviceWork:
 
 class _SimulatedDevice:
   """The baseline and speculative decoders of a device where a baseline step takes
-  step_seconds and an iteration with gamma g call_seconds(g) plus draft_seconds a draft
-  step, every draft accepted (alpha 1): each iteration of a batch drafts while any row's
+  batch_seconds once (its encoder), step_seconds a baseline step, and an iteration with
+  gamma g call_seconds(g) plus draft_seconds a draft step, every draft accepted (alpha 1): each iteration of a batch drafts while any row's
   proposal goes on (min(g, tokens left), the loop's EOS-ended proposals). A batch is
   rows of `lengths[batch[0, 0]]` output tokens; the first call on a (gamma, shape)
   compiles for compile_seconds."""
 
   def __init__(self, step_seconds, call_seconds, draft_seconds, lengths,
-               compile_seconds=100.0):
+               compile_seconds=100.0, batch_seconds=0.0):
     self.clock = _DeviceClock()
+    self.batch_seconds = batch_seconds
     self.step_seconds, self.call_seconds = step_seconds, call_seconds
     self.draft_seconds = draft_seconds
     self.lengths = [np.asarray(rows, np.int32) for rows in lengths]
@@ -592,7 +606,8 @@ class _SimulatedDevice:
   def baseline(self, batch):
     lengths = self.lengths[int(batch[0, 0])]
     steps = int(lengths.max())
-    return self._output(self._dispatch(0, batch, steps * self.step_seconds), lengths)
+    return self._output(self._dispatch(0, batch, self.batch_seconds + steps * self.step_seconds),
+                        lengths)
 
   def speculative(self, batch, spec):
     lengths = self.lengths[int(batch[0, 0])]
@@ -604,8 +619,8 @@ class _SimulatedDevice:
       drafted += int(proposals.sum())
       iterations += left > 0
       left = np.maximum(left - (spec.gamma + 1), 0)
-    work = self._dispatch(spec.gamma, batch, calls * self.call_seconds(spec.gamma)
-                          + draft_steps * self.draft_seconds)
+    work = self._dispatch(spec.gamma, batch, self.batch_seconds
+                          + calls * self.call_seconds(spec.gamma) + draft_steps * self.draft_seconds)
     stats = auto_gamma.SpeculativeStats(
         target_calls=np.int32(calls), draft_calls=np.int32(draft_steps),
         row_target_calls=iterations.astype(np.int32),
@@ -631,12 +646,14 @@ def test_on_a_simulated_device_calibration_times_the_device_work_and_no_compile(
   baseline where a draft step costs more than a target step (a launch-bound draft on a
   GPU), gamma 3 where it costs 0.05 of one."""
   device = _SimulatedDevice(step_seconds=1e-3, call_seconds=lambda g: 1e-3 * (1.0 + 0.02 * g),
-                            draft_seconds=1e-3 * draft_cost, lengths=[[12, 18], [5, 9]])
+                            draft_seconds=1e-3 * draft_cost, lengths=[[12, 18], [5, 9]],
+                            batch_seconds=2e-3)
   decoder = AutoGammaDecoder(device.baseline, device.speculative, SpeculativeConfig(gamma=3),
                              batch_size=2, gammas=(1, 3), clock=device.clock)
   batches = [_batch(0), _batch(1)]
   decoder.calibrate(batches, rounds=(2, 2))
   assert decoder.costs.step_seconds == pytest.approx(1e-3)
+  assert decoder.costs.batch_seconds == pytest.approx(2e-3)
   for gamma in (1, 3):
     assert decoder.costs.call_seconds[gamma] == pytest.approx(1e-3 * (1.0 + 0.02 * gamma))
   assert decoder.costs.draft_seconds == pytest.approx(1e-3 * draft_cost)
@@ -659,12 +676,14 @@ def test_short_outputs_after_a_calibration_on_long_ones_keep_the_long_proposals(
   sentences = [[n] for n in range(20, 41, 4)]
   strings = [[3], [4]]
   device = _SimulatedDevice(step_seconds=1e-3, call_seconds=lambda g: 1.5e-3 + 1e-5 * g,
-                            draft_seconds=0.1e-3, lengths=sentences + strings)
+                            draft_seconds=0.1e-3, lengths=sentences + strings,
+                            batch_seconds=1e-3)
   decoder = AutoGammaDecoder(device.baseline, device.speculative,
                              SpeculativeConfig(gamma='auto'), batch_size=1, gammas=(9, 19),
                              refresh_batches=8, clock=device.clock)
   decoder.calibrate([_batch(i, rows=1) for i in range(len(sentences))], rounds=(2, 2))
   assert decoder.costs.draft_seconds == pytest.approx(0.1e-3)
+  assert decoder.costs.batch_seconds == pytest.approx(1e-3)
   run = ([_batch(len(sentences) + i % 2, rows=1) for i in range(100)]
          + [_batch(i % len(sentences), rows=1) for i in range(60)])
   for batch in run:
@@ -672,7 +691,7 @@ def test_short_outputs_after_a_calibration_on_long_ones_keep_the_long_proposals(
     decoder(batch)
   assert decoder.gamma_counts == {19: len(run)}
   # What the same run would do under a price a call alone.
-  by_call = BatchCosts(1, decoder.costs.step_seconds, {
+  by_call = BatchCosts(1, decoder.costs.baseline_seconds(30) / 30, {
       g: sum(decoder.costs.seconds(g, c, d) for c, d in [_work(device, g, rows)
                                                          for rows in sentences])
       / sum(_work(device, g, rows)[0] for rows in sentences) for g in (9, 19)})

@@ -8,21 +8,22 @@ compute-bound by b = 8, where speculation with any gamma loses to the baseline; 
 accelerator the crossover sits elsewhere. gamma = 0 means the baseline itself.
 
 The model. A batch decodes until its longest row ends.
-  baseline:     time = steps x step_seconds,     steps = the longest row's tokens
-  speculative:  time = iterations x call_seconds[g] + drafts x draft_seconds,
+  baseline:     time = batch_seconds + steps x step_seconds,
+                steps = the longest row's tokens
+  speculative:  time = batch_seconds + iterations x call_seconds[g] + drafts x draft_seconds,
                 iterations = the most any row takes, drafts = the draft steps it runs
+(batch_seconds: what a batch costs once whatever decodes it, its encoder and caches)
 Each iteration of a row accepts its drafts up to the first rejection, each accepted with
 probability alpha (the paper's i.i.d. model, Section 3.1), and adds one token; a proposal
 drafts min(g, tokens left), as the loop's end at the output's EOS. So an output of 4
-tokens costs gamma 19 what it costs gamma 9 (one call, 4 drafts), and gamma 19 pays only
-on outputs longer than 10: a price a call alone (each gamma's mean over the
-calibration's outputs) charged short outputs for drafts they never ran and sent runs
-from 19 to 9 on a few short strings. E[iterations], E[drafts] and E[steps] follow from
+tokens costs gamma 19 what it costs gamma 9 (one call, 4 drafts), and 19 saves calls on
+outputs longer than 10 only; a price a call alone (each gamma's mean over the
+calibration's outputs, drafts and all) charged short outputs for drafts they never ran
+and sent a run from 19 to 9 on the short strings a split opens with. E[iterations], E[drafts] and E[steps] follow from
 the output lengths seen so far and alpha (`expected_batch_iterations`,
-`expected_batch_drafts`); step_seconds, call_seconds[g] and draft_seconds are measured on
-the machine, for the pair and the batch size (`BatchCosts`, by
-`AutoGammaDecoder.calibrate` from whole decodes, so the loop's own bookkeeping is in
-them: `fit_call_and_draft_seconds`), and alpha is the running estimate (Corollary 3.6)
+`expected_batch_drafts`); the costs are measured on the machine, for the pair and the
+batch size (`BatchCosts`, by `AutoGammaDecoder.calibrate` from whole decodes, so the
+loop's own bookkeeping is in them: `fit_batch_costs`), and alpha is the running estimate (Corollary 3.6)
 over every speculative batch decoded so far.
 
 As the run goes on it measures itself: the seconds of each gamma's batches against what
@@ -88,9 +89,10 @@ CACHE_DIR_ENV = 'JAXSPEC_CALIBRATION_DIR'
 
 @dataclasses.dataclass
 class BatchCosts:
-  """Measured at one batch size: seconds a baseline step; a speculative iteration of
-  each gamma costs call_seconds[g] (the verify step, the verdict, the loop's own work)
-  plus draft_seconds for each draft step it runs (`fit_call_and_draft_seconds`).
+  """Measured at one batch size (`fit_batch_costs`): a batch costs batch_seconds once
+  (its encoder and caches, whatever decodes it), plus step_seconds a baseline step, or
+  for a speculative decode with gamma g, call_seconds[g] an iteration (the verify step,
+  the verdict, the loop's own work) and draft_seconds a draft step it runs.
 
   Where the costs come from whole decodes of real batches, `measured_speedup[g]` is the
   baseline's time over gamma g's on those same batches, at `alpha` with `lengths`: the
@@ -104,9 +106,11 @@ class BatchCosts:
   alpha: float | None = None  # over the measured batches
   lengths: tuple[int, ...] = ()  # output lengths of the measured batches
   draft_seconds: float = 0.0
+  batch_seconds: float = 0.0
 
   def to_json(self) -> dict:
-    return {'batch_size': self.batch_size, 'step_seconds': self.step_seconds,
+    return {'batch_size': self.batch_size, 'batch_seconds': self.batch_seconds,
+            'step_seconds': self.step_seconds,
             'call_seconds': {str(g): s for g, s in self.call_seconds.items()},
             'draft_seconds': self.draft_seconds,
             'measured_speedup': {str(g): s for g, s in self.measured_speedup.items()},
@@ -117,42 +121,55 @@ class BatchCosts:
     return cls(batch_size=int(data['batch_size']), step_seconds=float(data['step_seconds']),
                call_seconds={int(g): float(s) for g, s in data['call_seconds'].items()},
                draft_seconds=float(data.get('draft_seconds', 0.0)),
+               batch_seconds=float(data.get('batch_seconds', 0.0)),
                measured_speedup={int(g): float(s)
                                  for g, s in data.get('measured_speedup', {}).items()},
                alpha=data.get('alpha'), lengths=tuple(data.get('lengths', ())))
 
+  def baseline_seconds(self, steps):
+    """A baseline batch's seconds: its steps (its longest row's tokens)."""
+    return self.batch_seconds + steps * self.step_seconds
+
   def seconds(self, gamma: int, iterations, drafts):
     """A speculative batch's seconds with gamma: its iterations and draft steps."""
-    return iterations * self.call_seconds[gamma] + drafts * self.draft_seconds
+    return (self.batch_seconds + iterations * self.call_seconds[gamma]
+            + drafts * self.draft_seconds)
 
 
-def fit_call_and_draft_seconds(samples: Mapping[int, Sequence[tuple[float, int, int]]]
-                               ) -> tuple[dict[int, float], float]:
-  """({gamma: call_seconds}, draft_seconds) from decoded batches, samples {gamma:
-  [(seconds, target calls, draft steps)]}: least squares of every batch's seconds on
-  its calls (a cost a gamma: the verify width differs) and its draft steps (one cost for
-  all: a draft step is the same program whatever gamma ran it), over every gamma at
-  once, none negative. Where the draft steps cannot be told apart from the calls (each
-  gamma's batches drafting in the same proportion to their calls, as at alpha 1 with
-  outputs of one length), every cost goes to the calls: draft_seconds 0, each gamma's
-  seconds over its calls."""
-  gammas = sorted(samples)
-  rows = [(g, s, c, d) for g in gammas for s, c, d in samples[g]]
-  seconds = np.array([r[1] for r in rows], np.float64)  # [batches]
-  design = np.zeros((len(rows), len(gammas) + 1))  # [batches, gammas + 1]
-  for i, (g, _, calls, drafts) in enumerate(rows):
-    design[i, gammas.index(g)] = calls
-    design[i, -1] = drafts
+def fit_batch_costs(batch_size: int, plain: Sequence[tuple[float, int]],
+                    speculative: Mapping[int, Sequence[tuple[float, int, int]]]) -> BatchCosts:
+  """BatchCosts from decoded batches: plain [(seconds, steps)] of the baseline and
+  speculative {gamma: [(seconds, target calls, draft steps)]}. Least squares over every
+  batch at once, none negative: one cost a batch (its encoder and caches: the same
+  whatever decodes it), a step, a draft step (the same program whatever gamma ran it),
+  and a call for each gamma (the verify width differs). A cost the batches cannot tell
+  apart from the others is 0 and they carry it: the draft step's where each gamma's
+  batches draft in one proportion to their calls (alpha 1, outputs of one length), the
+  batch's where every batch has one length."""
+  gammas = sorted(speculative)
+  design, seconds = [], []  # [batches, 3 + gammas]: batch, step, draft step, calls
+  for elapsed, steps in plain:
+    design.append([1.0, steps, 0.0] + [0.0] * len(gammas))
+    seconds.append(elapsed)
+  for i, gamma in enumerate(gammas):
+    for elapsed, calls, drafts in speculative[gamma]:
+      design.append([1.0, 0.0, drafts] + [float(calls if j == i else 0) for j in range(len(gammas))])
+      seconds.append(elapsed)
+  design, seconds = np.array(design), np.array(seconds)
   free = np.ones(design.shape[1], bool)
-  if np.linalg.matrix_rank(design) < design.shape[1]:
-    free[-1] = False
+  for optional in (2, 0):  # the draft step's cost, then the batch's
+    if np.linalg.matrix_rank(design[:, free]) < free.sum():
+      free[optional] = False
   while True:  # least squares over the free costs; a negative one is held at 0
     solution = np.zeros(design.shape[1])
-    solution[free], *_ = np.linalg.lstsq(design[:, free], seconds, rcond=None)
+    if free.any():
+      solution[free], *_ = np.linalg.lstsq(design[:, free], seconds, rcond=None)
     if np.all(solution >= 0.0):
       break
     free &= solution > 0.0
-  return {g: float(solution[i]) for i, g in enumerate(gammas)}, float(solution[-1])
+  return BatchCosts(batch_size=batch_size, batch_seconds=float(solution[0]),
+                    step_seconds=float(solution[1]), draft_seconds=float(solution[2]),
+                    call_seconds={g: float(solution[3 + i]) for i, g in enumerate(gammas)})
 
 
 def row_iterations(lengths: np.ndarray, alpha: float, gamma: int,
@@ -286,7 +303,7 @@ def model_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
     drafts = (expected_batch_drafts(lengths, alpha, gamma, costs.batch_size)
               if costs.draft_seconds else 0.0)
     seconds = costs.seconds(gamma, iterations, drafts)
-    speedups[gamma] = steps * costs.step_seconds / max(seconds, 1e-12)
+    speedups[gamma] = costs.baseline_seconds(steps) / max(seconds, 1e-12)
   return speedups
 
 
@@ -324,7 +341,7 @@ def predicted_batch_seconds(costs: BatchCosts, alpha: float, gamma: int,
   output lengths (the model's, over the calibration's scale)."""
   steps, iterations, drafts = expected_rows_work(rows, alpha, gamma, horizon)
   if gamma == 0:
-    return steps * costs.step_seconds
+    return costs.baseline_seconds(steps)
   scale = calibration_scales(costs).get(gamma, 1.0)
   return costs.seconds(gamma, iterations, drafts if costs.draft_seconds else 0.0) / scale
 
@@ -469,7 +486,7 @@ class _ChoosingDecoder:
     self._compiled: set = set()  # (gamma, batch shapes) that have run
     # gamma -> [the plain decoder's seconds for its batches, their seconds, batches]
     self._realized: dict[int, list] = {}
-    self._plain_seconds, self._plain_steps = 0.0, 0
+    self._plain_seconds, self._plain_steps, self._plain_batches = 0.0, 0, 0
 
   # What a subclass defines.
   def _decoder(self, gamma: int) -> Callable:
@@ -553,6 +570,7 @@ class _ChoosingDecoder:
     if gamma == 0:
       self._plain_seconds += seconds
       self._plain_steps += self._work(output)
+      self._plain_batches += 1
     else:
       self._record(gamma, output, seconds)
     self._observe(gamma, output)
@@ -643,8 +661,8 @@ class AutoGammaDecoder(_ChoosingDecoder):
 
   def calibrate(self, batches: Sequence[Any], rounds: tuple[int, int] = CALIBRATION_ROUNDS,
                 budget_seconds: float = CALIBRATION_SECONDS):
-    """Measures step_seconds, call_seconds[g] and draft_seconds over `batches` (decoded
-    once each untimed first, which compiles), interleaving the decoders so that load
+    """Measures the BatchCosts over `batches` (decoded once each untimed first, which
+    compiles), interleaving the decoders so that load
     hits all alike; the fastest of rounds[0] to rounds[1] rounds (as many as
     budget_seconds of decoding holds). Saves them in the cache."""
     per_batch, outputs = self._time_candidates(batches, rounds, budget_seconds)
@@ -652,13 +670,11 @@ class AutoGammaDecoder(_ChoosingDecoder):
       for output in gamma_outputs:  # lengths from the baseline's, alpha from the others'
         self._observe(gamma, output, lengths=gamma == 0)
     seconds = {g: sum(s) for g, s in per_batch.items()}
-    steps = sum(self._work(output) for output in outputs[0])
-    samples = {g: [(s, int(o.stats.target_calls), int(o.stats.draft_calls))
-                   for s, o in zip(per_batch[g], outputs[g])] for g in self.gammas}
-    call_seconds, draft_seconds = fit_call_and_draft_seconds(samples)
-    self.costs = BatchCosts(
-        batch_size=self.batch_size, step_seconds=seconds[0] / max(steps, 1),
-        call_seconds=call_seconds, draft_seconds=draft_seconds,
+    plain = [(s, self._work(o)) for s, o in zip(per_batch[0], outputs[0])]
+    speculative = {g: [(s, int(o.stats.target_calls), int(o.stats.draft_calls))
+                       for s, o in zip(per_batch[g], outputs[g])] for g in self.gammas}
+    self.costs = dataclasses.replace(
+        fit_batch_costs(self.batch_size, plain, speculative),
         measured_speedup={g: seconds[0] / max(seconds[g], 1e-12) for g in self.gammas},
         alpha=self.alpha, lengths=tuple(self.lengths))
     if self.cache is not None and self.key is not None:
@@ -678,7 +694,11 @@ class AutoGammaDecoder(_ChoosingDecoder):
     batches, at the running alpha, the baseline's side at the run's own plain step cost
     once it has one: how far each gamma runs off its prediction, whatever the lengths of
     the batches it happened to decode."""
-    plain = self.plain_step_seconds() / self.costs.step_seconds
+    plain = 1.0  # the run's baseline over the model's, once it has run PLAIN_STEPS
+    if self._plain_steps >= self.PLAIN_STEPS:
+      modelled = (self._plain_batches * self.costs.batch_seconds
+                  + self._plain_steps * self.costs.step_seconds)
+      plain = self._plain_seconds / max(modelled, 1e-12)
     ratios = {}
     for gamma, by_rows in self._batches.items():
       if sum(n for n, _ in by_rows.values()) < self.REALIZED_BATCHES:

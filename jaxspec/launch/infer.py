@@ -266,11 +266,13 @@ def auto_gamma_decoder(decode_baseline, decode_speculative, speculative, *, batc
     auto.costs = auto_gamma.BatchCosts(batch_size, 1.0, {})
   if auto.costs.call_seconds:
     speedups = auto_gamma.predicted_speedups(auto.costs, auto.alpha, auto.lengths or [1])
+    costs = auto.costs
     print('gamma=auto: alpha %.3f, predicted speedups %s; ms a target call %s, a draft '
-          'step %.2f, a baseline step %.2f' % (
+          'step %.2f, a baseline step %.2f, a batch %.2f' % (
               auto.alpha, {g: round(v, 2) for g, v in speedups.items()},
-              {g: round(1e3 * v, 2) for g, v in auto.costs.call_seconds.items()},
-              1e3 * auto.costs.draft_seconds, 1e3 * auto.costs.step_seconds), file=sys.stderr)
+              {g: round(1e3 * v, 2) for g, v in costs.call_seconds.items()},
+              1e3 * costs.draft_seconds, 1e3 * costs.step_seconds, 1e3 * costs.batch_seconds),
+          file=sys.stderr)
   return auto
 
 
