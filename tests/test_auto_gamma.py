@@ -282,6 +282,12 @@ def test_the_decoder_drops_a_gamma_that_does_worse_in_the_run():
   _record_batches(decoder, 3, [20], 0.25, 1)
   assert decoder.realized_ratios() == {3: pytest.approx(predicted / 0.25)}
   assert decoder.choose() == 0
+  # The run's own baseline batches took 1.6x the calibration's step cost: that hour the
+  # baseline was dearer too, and gamma 3's 0.25 s against it pays again.
+  # pylint: disable-next=protected-access
+  decoder._plain_seconds, decoder._plain_steps, decoder._plain_batches = 1.6 * 0.64, 64, 4
+  assert decoder.realized_ratios() == {3: pytest.approx(1.6 * predicted / 0.25)}
+  assert decoder.choose() == 3
 
 
 def test_gammas_are_judged_on_their_own_batches_not_on_each_others():
@@ -574,12 +580,12 @@ class _DeviceWork:
 
 
 class _SimulatedDevice:
-  """The baseline and speculative decoders of a device where a baseline step takes
-  batch_seconds once (its encoder), step_seconds a baseline step, and an iteration with
-  gamma g call_seconds(g) plus draft_seconds a draft step, every draft accepted (alpha 1): each iteration of a batch drafts while any row's
-  proposal goes on (min(g, tokens left), the loop's EOS-ended proposals). A batch is
-  rows of `lengths[batch[0, 0]]` output tokens; the first call on a (gamma, shape)
-  compiles for compile_seconds."""
+  """The baseline and speculative decoders of a device where a batch takes
+  batch_seconds once (its encoder), a baseline step step_seconds, and an iteration with
+  gamma g call_seconds(g) plus draft_seconds a draft step, every draft accepted (alpha 1):
+  each iteration of a batch drafts while any row's proposal goes on (min(g, tokens
+  left): the loop's EOS-ended proposals). A batch is rows of `lengths[batch[0, 0]]`
+  output tokens; the first call on a (gamma, shape) compiles for compile_seconds."""
 
   def __init__(self, step_seconds, call_seconds, draft_seconds, lengths,
                compile_seconds=100.0, batch_seconds=0.0):
@@ -619,8 +625,9 @@ class _SimulatedDevice:
       drafted += int(proposals.sum())
       iterations += left > 0
       left = np.maximum(left - (spec.gamma + 1), 0)
-    work = self._dispatch(spec.gamma, batch, self.batch_seconds
-                          + calls * self.call_seconds(spec.gamma) + draft_steps * self.draft_seconds)
+    seconds = (self.batch_seconds + calls * self.call_seconds(spec.gamma)
+               + draft_steps * self.draft_seconds)
+    work = self._dispatch(spec.gamma, batch, seconds)
     stats = auto_gamma.SpeculativeStats(
         target_calls=np.int32(calls), draft_calls=np.int32(draft_steps),
         row_target_calls=iterations.astype(np.int32),

@@ -19,12 +19,12 @@ drafts min(g, tokens left), as the loop's end at the output's EOS. So an output 
 tokens costs gamma 19 what it costs gamma 9 (one call, 4 drafts), and 19 saves calls on
 outputs longer than 10 only; a price a call alone (each gamma's mean over the
 calibration's outputs, drafts and all) charged short outputs for drafts they never ran
-and sent a run from 19 to 9 on the short strings a split opens with. E[iterations], E[drafts] and E[steps] follow from
-the output lengths seen so far and alpha (`expected_batch_iterations`,
-`expected_batch_drafts`); the costs are measured on the machine, for the pair and the
-batch size (`BatchCosts`, by `AutoGammaDecoder.calibrate` from whole decodes, so the
-loop's own bookkeeping is in them: `fit_batch_costs`), and alpha is the running estimate (Corollary 3.6)
-over every speculative batch decoded so far.
+and sent a run from 19 to 9 on the short strings a split opens with. E[iterations],
+E[drafts] and E[steps] follow from the output lengths seen so far and alpha
+(`expected_batch_iterations`, `expected_batch_drafts`); the costs are measured on the
+machine, for the pair and the batch size (`BatchCosts`, by `AutoGammaDecoder.calibrate`
+from whole decodes, so the loop's own bookkeeping is in them: `fit_batch_costs`), and
+alpha is the running estimate (Corollary 3.6) over every speculative batch decoded so far.
 
 As the run goes on it measures itself: the seconds of each gamma's batches against what
 the model predicted for exactly those batches (their output lengths) give how far that
@@ -153,7 +153,9 @@ def fit_batch_costs(batch_size: int, plain: Sequence[tuple[float, int]],
     seconds.append(elapsed)
   for i, gamma in enumerate(gammas):
     for elapsed, calls, drafts in speculative[gamma]:
-      design.append([1.0, 0.0, drafts] + [float(calls if j == i else 0) for j in range(len(gammas))])
+      row = [1.0, 0.0, drafts] + [0.0] * len(gammas)
+      row[3 + i] = calls
+      design.append(row)
       seconds.append(elapsed)
   design, seconds = np.array(design), np.array(seconds)
   free = np.ones(design.shape[1], bool)
@@ -343,7 +345,7 @@ def predicted_batch_seconds(costs: BatchCosts, alpha: float, gamma: int,
   if gamma == 0:
     return costs.baseline_seconds(steps)
   scale = calibration_scales(costs).get(gamma, 1.0)
-  return costs.seconds(gamma, iterations, drafts if costs.draft_seconds else 0.0) / scale
+  return costs.seconds(gamma, iterations, drafts) / scale
 
 
 def scaled_by_ratios(predicted: Mapping[int, float], ratios: Mapping[int, float] | None
@@ -691,9 +693,9 @@ class AutoGammaDecoder(_ChoosingDecoder):
   def realized_ratios(self) -> dict[int, float]:
     """{gamma: predicted / realized seconds over the batches the run decoded with it}
     (above 1: faster than predicted) for each gamma that decoded REALIZED_BATCHES
-    batches, at the running alpha, the baseline's side at the run's own plain step cost
-    once it has one: how far each gamma runs off its prediction, whatever the lengths of
-    the batches it happened to decode."""
+    batches, at the running alpha, times the run's own baseline over the model's once the
+    run has decoded PLAIN_STEPS baseline steps: how far each gamma runs off its
+    prediction, whatever the lengths of the batches it happened to decode."""
     plain = 1.0  # the run's baseline over the model's, once it has run PLAIN_STEPS
     if self._plain_steps >= self.PLAIN_STEPS:
       modelled = (self._plain_batches * self.costs.batch_seconds
