@@ -584,53 +584,54 @@ inline void Int8TileRowsGrouped(const QuantizedRows& xq, const int8_t* tile,
       }
 }
 
-template <int C>
-inline void Int8TileRowsGroupedOf(int count, const QuantizedRows& xq, const int8_t* tile,
-                                  const float* scale, float* y, int64_t in, int64_t out,
-                                  int64_t o, int64_t n) {
-  if constexpr (C > 1) {
-    if (count < C)
-      return Int8TileRowsGroupedOf<C - 1>(count, xq, tile, scale, y, in, out, o, n);
+// The row kernel for the activations' quantization: per group (Int8TileRowsGrouped) or
+// one scale a row (Int8TileRows).
+template <bool Grouped, int C, int T>
+inline void Int8TileRowsFor(const QuantizedRows& xq, const int8_t* tile, const float* scale,
+                            float* y, int64_t in, int64_t out, int64_t o, int64_t n) {
+  if constexpr (Grouped) {
+    Int8TileRowsGrouped<C, T>(xq, tile, scale, y, in, out, o, n);
+  } else {
+    Int8TileRows<C, T>(xq, tile, scale, y, in, out, o, n);
   }
-  Int8TileRowsGrouped<C, 1>(xq, tile, scale, y, in, out, o, n);
 }
 
-template <int C>
+// Int8TileRowsFor over `count` <= C rows from row n.
+template <bool Grouped, int C>
 inline void Int8TileRowsOf(int count, const QuantizedRows& xq, const int8_t* tile,
                            const float* scale, float* y, int64_t in, int64_t out, int64_t o,
                            int64_t n) {
   if constexpr (C > 1) {
-    if (count < C) return Int8TileRowsOf<C - 1>(count, xq, tile, scale, y, in, out, o, n);
+    if (count < C)
+      return Int8TileRowsOf<Grouped, C - 1>(count, xq, tile, scale, y, in, out, o, n);
   }
-  Int8TileRows<C, 1>(xq, tile, scale, y, in, out, o, n);
+  Int8TileRowsFor<Grouped, C, 1>(xq, tile, scale, y, in, out, o, n);
+}
+
+template <bool Grouped>
+void Int8TiledOutputsFor(const QuantizedRows& xq, const int8_t* w, const float* scale,
+                         float* y, int64_t rows, int64_t in, int64_t out, int64_t begin,
+                         int64_t end) {
+  constexpr int C = 5;  // 4 x 5 accumulators and 4 weight vectors of the 32 registers
+  int64_t o = begin;
+  if (rows == 1) {  // two tiles side by side: one tile alone streamed ~10% slower
+    for (; o + 2 * kInt8TileOutputs <= end; o += 2 * kInt8TileOutputs)
+      Int8TileRowsFor<Grouped, 1, 2>(xq, w + o * in, scale, y, in, out, o, 0);
+  }
+  for (; o < end; o += kInt8TileOutputs) {
+    for (int64_t n = 0; n < rows; n += C)
+      Int8TileRowsOf<Grouped, C>(static_cast<int>(std::min<int64_t>(C, rows - n)), xq,
+                                 w + o * in, scale, y, in, out, o, n);
+  }
 }
 
 // Outputs [begin, end) (multiples of kInt8TileOutputs) of tiled w for every row.
 void Int8TiledOutputs(const QuantizedRows& xq, const int8_t* w, const float* scale, float* y,
                       int64_t rows, int64_t in, int64_t out, int64_t begin, int64_t end) {
-  constexpr int C = 5;  // 4 x 5 accumulators and 4 weight vectors of the 32 registers
-  int64_t o = begin;
   if (xq.group > 0) {  // activations quantized per group
-    if (rows == 1) {
-      for (; o + 2 * kInt8TileOutputs <= end; o += 2 * kInt8TileOutputs)
-        Int8TileRowsGrouped<1, 2>(xq, w + o * in, scale, y, in, out, o, 0);
-    }
-    for (; o < end; o += kInt8TileOutputs) {
-      for (int64_t n = 0; n < rows; n += C)
-        Int8TileRowsGroupedOf<C>(static_cast<int>(std::min<int64_t>(C, rows - n)), xq,
-                                 w + o * in, scale, y, in, out, o, n);
-    }
-    return;
-  }
-  if (rows == 1) {  // two tiles side by side: one tile alone streamed ~10% slower
-    for (; o + 2 * kInt8TileOutputs <= end; o += 2 * kInt8TileOutputs)
-      Int8TileRows<1, 2>(xq, w + o * in, scale, y, in, out, o, 0);
-  }
-  for (; o < end; o += kInt8TileOutputs) {
-    const int8_t* tile = w + o * in;
-    for (int64_t n = 0; n < rows; n += C)
-      Int8TileRowsOf<C>(static_cast<int>(std::min<int64_t>(C, rows - n)), xq, tile, scale, y,
-                        in, out, o, n);
+    Int8TiledOutputsFor<true>(xq, w, scale, y, rows, in, out, begin, end);
+  } else {
+    Int8TiledOutputsFor<false>(xq, w, scale, y, rows, in, out, begin, end);
   }
 }
 #else
