@@ -697,12 +697,16 @@ def test_short_outputs_after_a_calibration_on_long_ones_keep_the_long_proposals(
     decoder.ready(batch)
     decoder(batch)
   assert decoder.gamma_counts == {19: len(run)}
-  # What the same run would do under a price a call alone.
-  by_call = BatchCosts(1, decoder.costs.baseline_seconds(30) / 30, {
-      g: sum(decoder.costs.seconds(g, c, d) for c, d in [_work(device, g, rows)
-                                                         for rows in sentences])
-      / sum(_work(device, g, rows)[0] for rows in sentences) for g in (9, 19)})
-  assert choose_gamma(by_call, 1.0, decoder.lengths[:len(sentences) + 60], current=19) == 9
+  # The same run under a price a call alone: each gamma's calibration seconds over its
+  # calls. With the calibration's lengths and 60 of the strings seen, it leaves 19 for 9.
+  def mean_call(gamma):
+    work = [_work(device, gamma, rows) for rows in sentences]
+    return sum(decoder.costs.seconds(gamma, c, d) for c, d in work) / sum(c for c, _ in work)
+  by_call = BatchCosts(1, decoder.costs.baseline_seconds(30) / 30,
+                       {g: mean_call(g) for g in (9, 19)})
+  seen = decoder.lengths[:len(sentences) + 60]
+  assert choose_gamma(by_call, 1.0, seen, current=19) == 9
+  assert choose_gamma(decoder.costs, 1.0, seen, current=19) == 19
 
 
 def _work(device, gamma, rows):
