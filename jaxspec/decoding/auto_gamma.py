@@ -270,14 +270,15 @@ def _drafts_a_call(alpha: float, gamma: int, longest_row: np.ndarray) -> float:
 
 
 def expected_batch_drafts(lengths: Sequence[int], alpha: float, gamma: int,
-                          batch_size: int) -> float:
+                          batch_size: int, iterations: float | None = None) -> float:
   """E[draft steps] of a batch of batch_size rows drawn from `lengths`: its iterations
-  (expected_batch_iterations) times its longest row's drafts a call. Exact at batch 1
-  (a row's expected drafts); at larger batches the drafts of rows that outlast the
-  longest one's calls are counted at that row's rate."""
+  (expected_batch_iterations, unless given) times its longest row's drafts a call. Exact
+  at batch 1 (a row's expected drafts); at larger batches the drafts of rows that outlast
+  the longest one's calls are counted at that row's rate."""
   _, longest_at_most = _longest_row(lengths, batch_size)
   longest_row = np.diff(longest_at_most, prepend=0.0)  # [L + 1] P(longest = m)
-  _, iterations = expected_batch_iterations(lengths, alpha, gamma, batch_size)
+  if iterations is None:
+    _, iterations = expected_batch_iterations(lengths, alpha, gamma, batch_size)
   return iterations * _drafts_a_call(alpha, gamma, longest_row)
 
 
@@ -291,9 +292,8 @@ def expected_rows_work(rows: Sequence[int], alpha: float, gamma: int,
   horizon = max(longest, horizon or 0)
   done = done_within(horizon, round(float(alpha), 12), gamma)[:, rows]  # [K + 1, b]
   iterations = float(np.sum(1.0 - np.prod(done[:-1], axis=1)))
-  longest_row = np.zeros(horizon + 1)
-  longest_row[longest] = 1.0
-  return float(longest), iterations, iterations * _drafts_a_call(alpha, gamma, longest_row)
+  calls, drafts = row_calls_and_drafts(horizon, round(float(alpha), 12), gamma)
+  return float(longest), iterations, iterations * drafts[longest] / max(calls[longest], 1e-12)
 
 
 def model_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
@@ -302,28 +302,21 @@ def model_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
   speedups = {0: 1.0}
   for gamma in sorted(costs.call_seconds):
     steps, iterations = expected_batch_iterations(lengths, alpha, gamma, costs.batch_size)
-    drafts = (expected_batch_drafts(lengths, alpha, gamma, costs.batch_size)
+    drafts = (expected_batch_drafts(lengths, alpha, gamma, costs.batch_size, iterations)
               if costs.draft_seconds else 0.0)
     seconds = costs.seconds(gamma, iterations, drafts)
     speedups[gamma] = costs.baseline_seconds(steps) / max(seconds, 1e-12)
   return speedups
 
 
-@functools.lru_cache(maxsize=16)
-def _calibration_scales(costs_json: str) -> dict[int, float]:
-  costs = BatchCosts.from_json(json.loads(costs_json))
+def calibration_scales(costs: BatchCosts) -> dict[int, float]:
+  """{gamma: measured speedup / the model's} at the calibration's own alpha and lengths,
+  where the costs carry a measurement (else empty): what the model leaves out."""
+  if not (costs.measured_speedup and costs.alpha is not None and costs.lengths):
+    return {}
   at_measurement = model_speedups(costs, costs.alpha, costs.lengths)
   return {g: measured / max(at_measurement[g], 1e-12)
           for g, measured in costs.measured_speedup.items() if g in at_measurement}
-
-
-def calibration_scales(costs: BatchCosts) -> dict[int, float]:
-  """{gamma: measured speedup / the model's} at the calibration's own alpha and lengths,
-  where the costs carry a measurement (else empty): what the model leaves out. Cached
-  (a run asks at every decision for the same costs)."""
-  if not (costs.measured_speedup and costs.alpha is not None and costs.lengths):
-    return {}
-  return _calibration_scales(json.dumps(costs.to_json(), sort_keys=True))
 
 
 def predicted_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
@@ -338,14 +331,16 @@ def predicted_speedups(costs: BatchCosts, alpha: float, lengths: Sequence[int]
 
 
 def predicted_batch_seconds(costs: BatchCosts, alpha: float, gamma: int,
-                            rows: Sequence[int], horizon: int | None = None) -> float:
+                            rows: Sequence[int], horizon: int | None = None,
+                            scales: Mapping[int, float] | None = None) -> float:
   """The seconds `predicted_speedups` expects of gamma on a batch of exactly these rows'
-  output lengths (the model's, over the calibration's scale)."""
+  output lengths (the model's, over the calibration's scale; `scales`: the costs'
+  calibration_scales, where the caller has them)."""
   steps, iterations, drafts = expected_rows_work(rows, alpha, gamma, horizon)
   if gamma == 0:
     return costs.baseline_seconds(steps)
-  scale = calibration_scales(costs).get(gamma, 1.0)
-  return costs.seconds(gamma, iterations, drafts) / scale
+  scales = calibration_scales(costs) if scales is None else scales
+  return costs.seconds(gamma, iterations, drafts) / scales.get(gamma, 1.0)
 
 
 def scaled_by_ratios(predicted: Mapping[int, float], ratios: Mapping[int, float] | None
@@ -701,13 +696,14 @@ class AutoGammaDecoder(_ChoosingDecoder):
       modelled = (self._plain_batches * self.costs.batch_seconds
                   + self._plain_steps * self.costs.step_seconds)
       plain = self._plain_seconds / max(modelled, 1e-12)
-    ratios = {}
+    ratios, scales = {}, calibration_scales(self.costs)
     for gamma, by_rows in self._batches.items():
       if sum(n for n, _ in by_rows.values()) < self.REALIZED_BATCHES:
         continue
       horizon = max(max(rows) for rows in by_rows)
-      predicted = sum(n * predicted_batch_seconds(self.costs, self.alpha, gamma, rows, horizon)
-                      for rows, (n, _) in by_rows.items())
+      predicted = sum(
+          n * predicted_batch_seconds(self.costs, self.alpha, gamma, rows, horizon, scales)
+          for rows, (n, _) in by_rows.items())
       ratios[gamma] = plain * predicted / max(sum(s for _, s in by_rows.values()), 1e-12)
     return ratios
 
