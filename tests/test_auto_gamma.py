@@ -178,6 +178,54 @@ def test_the_costs_are_told_apart_over_every_decoders_batches():
   assert costs.draft_seconds == 0.0 and min(costs.call_seconds.values()) > 0.0
 
 
+def test_a_call_never_costs_less_than_a_step():
+  """A batch of 4 drafts while any row does, so its drafts run nearly in one proportion
+  to its calls and a free fit trades the two (it priced gamma 14's call at 0 on the
+  Xeon). A call verifies at least a baseline step's one position: fitted as a step plus
+  its excess, no call comes out under a step, and the fit stays within the noise of
+  the true costs' seconds on the batches it saw."""
+  rng = np.random.default_rng(0)
+  step, batch, draft = 0.0095, 0.006, 0.003
+  call = {g: step + 0.0004 * g for g in (1, 2, 3, 5, 9, 14, 19)}
+  for _ in range(20):
+    lengths = rng.integers(8, 40, 12)
+    plain = [((batch + n * step) * (1 + rng.normal(0, 0.03)), int(n)) for n in lengths]
+    speculative = {}
+    for g in call:
+      work = [(c, int(c * g * rng.uniform(0.85, 1.0)))
+              for c in (int(np.ceil(n / (0.9 * g + 1))) for n in lengths)]
+      speculative[g] = [((batch + c * call[g] + d * draft) * (1 + rng.normal(0, 0.03)), c, d)
+                        for c, d in work]
+    costs = auto_gamma.fit_batch_costs(4, plain, speculative)
+    assert min(costs.call_seconds.values()) >= costs.step_seconds > 0.0
+    for g, batches in speculative.items():
+      fitted = np.array([costs.seconds(g, c, d) for _, c, d in batches])
+      true = np.array([batch + c * call[g] + d * draft for _, c, d in batches])
+      assert np.abs(fitted / true - 1).mean() < 0.05
+
+
+@pytest.mark.parametrize('seed', range(30))
+def test_non_negative_least_squares_is_the_best_of_every_support(seed):
+  """Against enumeration: the least-squares solution on each subset of the columns,
+  kept where it is non-negative, the best of them."""
+  rng = np.random.default_rng(seed)
+  columns = int(rng.integers(1, 6))
+  design = rng.normal(size=(int(rng.integers(columns, 12)), columns))
+  target = rng.normal(size=design.shape[0])
+  best = np.inf
+  for mask in range(1 << columns):
+    support = np.array([(mask >> k) & 1 for k in range(columns)], bool)
+    x = np.zeros(columns)
+    if support.any():
+      x[support], *_ = np.linalg.lstsq(design[:, support], target, rcond=None)
+    if np.all(x >= -1e-12):
+      best = min(best, float(np.sum((design @ x - target) ** 2)))
+  solution = auto_gamma._non_negative_least_squares(design, target)
+  assert np.all(solution >= 0.0)
+  assert float(np.sum((design @ solution - target) ** 2)) == pytest.approx(best, rel=1e-9,
+                                                                           abs=1e-12)
+
+
 def _brute_force_best(costs: BatchCosts, length: int, min_speedup: float) -> int:
   """At alpha 1 and one output length every quantity is exact: the baseline takes
   `length` steps and gamma g takes ceil(length / (g + 1)) iterations."""

@@ -142,36 +142,66 @@ def fit_batch_costs(batch_size: int, plain: Sequence[tuple[float, int]],
   speculative {gamma: [(seconds, target calls, draft steps)]}. Least squares over every
   batch at once, none negative: one cost a batch (its encoder and caches: the same
   whatever decodes it), a step, a draft step (the same program whatever gamma ran it),
-  and a call for each gamma (the verify width differs). A cost the batches cannot tell
+  and a call for each gamma (the verify width differs), fitted as a step plus what the
+  call costs beyond it: a call verifies at least the one position a baseline step
+  computes, so it never costs less (where drafts run nearly in one proportion to calls,
+  as in a batch that drafts while any row does, a free fit trades the two against each
+  other and can price a call under a step, even at 0). A cost the batches cannot tell
   apart from the others is 0 and they carry it: the draft step's where each gamma's
   batches draft in one proportion to their calls (alpha 1, outputs of one length), the
   batch's where every batch has one length."""
   gammas = sorted(speculative)
-  design, seconds = [], []  # [batches, 3 + gammas]: batch, step, draft step, calls
+  # [batches, 3 + gammas]: batch, step, draft step, each gamma's call beyond a step
+  design, seconds = [], []
   for elapsed, steps in plain:
     design.append([1.0, steps, 0.0] + [0.0] * len(gammas))
     seconds.append(elapsed)
   for i, gamma in enumerate(gammas):
     for elapsed, calls, drafts in speculative[gamma]:
-      row = [1.0, 0.0, drafts] + [0.0] * len(gammas)
+      row = [1.0, calls, drafts] + [0.0] * len(gammas)
       row[3 + i] = calls
       design.append(row)
       seconds.append(elapsed)
-  design, seconds = np.array(design), np.array(seconds)
-  free = np.ones(design.shape[1], bool)
-  for optional in (2, 0):  # the draft step's cost, then the batch's
-    if np.linalg.matrix_rank(design[:, free]) < free.sum():
-      free[optional] = False
-  while True:  # least squares over the free costs; a negative one is held at 0
-    solution = np.zeros(design.shape[1])
-    if free.any():
-      solution[free], *_ = np.linalg.lstsq(design[:, free], seconds, rcond=None)
-    if np.all(solution >= 0.0):
-      break
-    free &= solution > 0.0
+  solution = _non_negative_least_squares(np.array(design), np.array(seconds),
+                                         optional=(2, 0))
+  step = float(solution[1])
   return BatchCosts(batch_size=batch_size, batch_seconds=float(solution[0]),
-                    step_seconds=float(solution[1]), draft_seconds=float(solution[2]),
-                    call_seconds={g: float(solution[3 + i]) for i, g in enumerate(gammas)})
+                    step_seconds=step, draft_seconds=float(solution[2]),
+                    call_seconds={g: step + float(solution[3 + i])
+                                  for i, g in enumerate(gammas)})
+
+
+def _non_negative_least_squares(design: np.ndarray, target: np.ndarray,
+                                optional: Sequence[int] = ()) -> np.ndarray:
+  """argmin |design x - target| over x >= 0 (Lawson and Hanson's active set). The
+  `optional` columns, in order, are held at 0 while the design's columns are not
+  independent without them."""
+  usable = np.ones(design.shape[1], bool)
+  for column in optional:
+    if np.linalg.matrix_rank(design[:, usable]) < usable.sum():
+      usable[column] = False
+  solution = np.zeros(design.shape[1])
+  free = np.zeros_like(usable)
+  tolerance = 1e-12 * max(1.0, float(np.abs(design).sum() * np.abs(target).max(initial=0)))
+  for _ in range(3 * design.shape[1]):
+    gradient = design.T @ (target - design @ solution)
+    candidates = usable & ~free & (gradient > tolerance)
+    if not candidates.any():
+      break
+    free[np.argmax(np.where(candidates, gradient, -np.inf))] = True
+    while True:
+      trial = np.zeros_like(solution)
+      trial[free], *_ = np.linalg.lstsq(design[:, free], target, rcond=None)
+      if np.all(trial[free] > 0.0):
+        solution = trial
+        break
+      # Step from the current solution toward the trial as far as every cost stays >= 0.
+      shrinking = free & (trial <= 0.0)
+      ratio = solution[shrinking] / np.maximum(solution[shrinking] - trial[shrinking], 1e-300)
+      solution = solution + ratio.min() * (trial - solution)
+      free &= solution > 0.0
+      solution[~free] = 0.0
+  return solution
 
 
 def row_iterations(lengths: np.ndarray, alpha: float, gamma: int,
