@@ -404,14 +404,16 @@ def choose_gamma(costs: BatchCosts, alpha: float, lengths: Sequence[int],
   batches}, the run's) scale the predictions (`scaled_by_ratios`).
   With `current` (the gamma in use), a switch needs the new gamma predicted min_speedup
   times faster than it: each program compiles on first use, and flipping between
-  near-equal choices would only pay compiles (and a gamma the run has realized on a few
-  batches is known to a few percent at best)."""
+  near-equal choices would only pay compiles. Where the run has realized both (each in
+  `ratios`: both have run, so both compiled), the faster on the run's own batches wins."""
+  ratios = ratios or {}
   speedups = scaled_by_ratios(predicted_speedups(costs, alpha, lengths), ratios)
   best = max(speedups, key=lambda g: (speedups[g], -g))
   if not best or speedups[best] < min_speedup:
     return 0  # no gamma pays clearly: the baseline, whatever ran before
   if current and current in speedups and best != current:
-    if speedups[best] < min_speedup * speedups[current]:
+    margin = 1.0 if best in ratios and current in ratios else min_speedup
+    if speedups[best] < margin * speedups[current]:
       return current
   return best
 
@@ -626,7 +628,7 @@ class AutoGammaDecoder(_ChoosingDecoder):
   """
 
   TRIAL_MARGIN = 0.05  # a gamma predicted this close to the one in use is tried in the run
-  TRIAL_BATCHES = 16  # >= REALIZED_BATCHES: a trial's gamma is then judged on its batches
+  TRIAL_BATCHES = 8  # >= REALIZED_BATCHES: a trial's gamma is then judged on its batches
 
   def __init__(self, decode_baseline: Callable, decode_speculative: Callable,
                spec: SpeculativeConfig, *, batch_size: int,
@@ -772,11 +774,10 @@ class AutoGammaDecoder(_ChoosingDecoder):
   def _contender(self, ratios: Mapping[int, float]) -> int | None:
     """The gamma to try on the run's own batches: the best predicted of those within
     TRIAL_MARGIN of the one in use that have not decoded REALIZED_BATCHES batches, once
-    the one in use has (both are then judged on what they realized; a switch still needs
-    min_speedup). A calibration's measured speedups move by a few percent from one
-    calibration to the next on a shared machine, as much as near gammas differ (at
-    batch 2 it put gamma 5 ahead of 9, which ran 5% faster over the run), and a gamma
-    never run is never measured again."""
+    the one in use has (both are then judged on what they realized). A calibration's
+    measured speedups move by a few percent from one calibration to the next on a
+    shared machine, more than near gammas differ (at batch 2 it put gamma 5 ahead of 9,
+    which ran 5% faster over the run), and a gamma never run is never measured again."""
     if not self.current or self.current not in ratios:
       return None
     speedups = scaled_by_ratios(predicted_speedups(self.costs, self.alpha, self.lengths),
