@@ -404,16 +404,13 @@ def choose_gamma(costs: BatchCosts, alpha: float, lengths: Sequence[int],
   batches}, the run's) scale the predictions (`scaled_by_ratios`).
   With `current` (the gamma in use), a switch needs the new gamma predicted min_speedup
   times faster than it: each program compiles on first use, and flipping between
-  near-equal choices would only pay compiles. Where the run has realized both (each in
-  `ratios`: both have run, so both compiled), the faster on the run's own batches wins."""
-  ratios = ratios or {}
+  near-equal choices would only pay compiles."""
   speedups = scaled_by_ratios(predicted_speedups(costs, alpha, lengths), ratios)
   best = max(speedups, key=lambda g: (speedups[g], -g))
   if not best or speedups[best] < min_speedup:
     return 0  # no gamma pays clearly: the baseline, whatever ran before
   if current and current in speedups and best != current:
-    margin = 1.0 if best in ratios and current in ratios else min_speedup
-    if speedups[best] < margin * speedups[current]:
+    if speedups[best] < min_speedup * speedups[current]:
       return current
   return best
 
@@ -627,9 +624,6 @@ class AutoGammaDecoder(_ChoosingDecoder):
   clock: the seconds every timing reads (a test's simulated device, say).
   """
 
-  TRIAL_MARGIN = 0.05  # a gamma predicted this close to the one in use is tried in the run
-  TRIAL_BATCHES = 8  # >= REALIZED_BATCHES: a trial's gamma is then judged on its batches
-
   def __init__(self, decode_baseline: Callable, decode_speculative: Callable,
                spec: SpeculativeConfig, *, batch_size: int,
                gammas: Sequence[int] = DEFAULT_GAMMAS, key: Mapping[str, Any] | None = None,
@@ -647,8 +641,6 @@ class AutoGammaDecoder(_ChoosingDecoder):
     self.current: int | None = None  # the gamma in use
     self.refresh_batches = refresh_batches
     self._since_decision = 0
-    self._trial: int | None = None  # a gamma on trial (`_contender`), and its batches left
-    self._trial_left = 0
     self._alpha_prior: float | None = None
     # gamma -> {a batch's output lengths, sorted: [batches, their seconds]}
     self._batches: dict[int, dict[tuple[int, ...], list]] = {}
@@ -747,45 +739,18 @@ class AutoGammaDecoder(_ChoosingDecoder):
 
   def choose(self) -> int:
     """The gamma for the next batch: decided anew every `refresh_batches` batches (a
-    decision simulates batches: milliseconds), with hysteresis around the one in use,
-    and right after a trial: a decision that leaves a gamma within the calibration's
-    noise of the one in use untried runs it for TRIAL_BATCHES batches (`_contender`)."""
+    decision simulates batches: milliseconds), with hysteresis around the one in use."""
     if self.costs is None:
       raise ValueError('AutoGammaDecoder has no costs: calibrate() or load_calibration() '
                        'first')
     if not self.lengths or not self.costs.call_seconds:
       return 0
-    if self._trial_left:
-      self._trial_left -= 1
-      return self._trial
-    if (self.current is None or self._since_decision >= self.refresh_batches
-        or self._trial is not None):
-      ratios = self.realized_ratios()
+    if self.current is None or self._since_decision >= self.refresh_batches:
       self.current = choose_gamma(self.costs, self.alpha, self.lengths, self.min_speedup,
-                                  self.current, ratios)
+                                  self.current, self.realized_ratios())
       self._since_decision = 0
-      self._trial = self._contender(ratios)
-      if self._trial is not None:
-        self._trial_left = self.TRIAL_BATCHES - 1
-        return self._trial
     self._since_decision += 1
     return self.current
-
-  def _contender(self, ratios: Mapping[int, float]) -> int | None:
-    """The gamma to try on the run's own batches: the best predicted of those within
-    TRIAL_MARGIN of the one in use that have not decoded REALIZED_BATCHES batches, once
-    the one in use has (both are then judged on what they realized). A calibration's
-    measured speedups move by a few percent from one calibration to the next on a
-    shared machine, more than near gammas differ (at batch 2 it put gamma 5 ahead of 9,
-    which ran 5% faster over the run), and a gamma never run is never measured again."""
-    if not self.current or self.current not in ratios:
-      return None
-    speedups = scaled_by_ratios(predicted_speedups(self.costs, self.alpha, self.lengths),
-                                ratios)
-    least = max(self.min_speedup, (1.0 - self.TRIAL_MARGIN) * speedups[self.current])
-    untried = [g for g in self.gammas
-               if g != self.current and g not in ratios and speedups[g] >= least]
-    return max(untried, key=lambda g: (speedups[g], -g), default=None)
 
 
 # ----------------------------------------------------------------------------------
