@@ -196,9 +196,10 @@ def _non_negative_least_squares(design: np.ndarray, target: np.ndarray,
         solution = trial
         break
       # Step from the current solution toward the trial as far as every cost stays >= 0.
-      shrinking = free & (trial <= 0.0)
+      shrinking = np.flatnonzero(free & (trial <= 0.0))
       ratio = solution[shrinking] / np.maximum(solution[shrinking] - trial[shrinking], 1e-300)
       solution = solution + ratio.min() * (trial - solution)
+      solution[shrinking[np.argmin(ratio)]] = 0.0  # leaves the set whatever the rounding
       free &= solution > 0.0
       solution[~free] = 0.0
   return solution
