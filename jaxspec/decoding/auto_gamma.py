@@ -235,6 +235,12 @@ def iteration_tokens(alpha: float, gamma: int) -> np.ndarray:
   return probs
 
 
+def _cached_alpha(alpha) -> float:
+  """alpha as the cached tables key it: a float rounded to 12 digits, so that a running
+  alpha equal up to rounding hits the same entry."""
+  return round(float(alpha), 12)
+
+
 @functools.lru_cache(maxsize=64)
 def done_within(longest: int, alpha: float, gamma: int) -> np.ndarray:
   """[K + 1, L + 1] with K = L = longest: entry [k, n] is P(a row of n tokens is done
@@ -277,7 +283,7 @@ def expected_batch_iterations(lengths: Sequence[int], alpha: float, gamma: int,
   if gamma == 0:
     return steps, steps
   # [K + 1]: P(a drawn row is done within k iterations)
-  done = done_within(frequency.size - 1, round(float(alpha), 12), gamma) @ frequency
+  done = done_within(frequency.size - 1, _cached_alpha(alpha), gamma) @ frequency
   return steps, float(np.sum(1.0 - np.minimum(done[:-1], 1.0) ** batch_size))
 
 
@@ -296,7 +302,7 @@ def _drafts_a_call(alpha: float, gamma: int, longest_row: np.ndarray) -> float:
   """E[draft steps a target call] of a batch whose longest row's length is distributed
   as longest_row [L + 1]: that row's expected drafts over its expected calls (the loop
   drafts while any row's proposal goes on, and the longest row's goes on the longest)."""
-  calls, drafts = row_calls_and_drafts(longest_row.size - 1, round(float(alpha), 12), gamma)
+  calls, drafts = row_calls_and_drafts(longest_row.size - 1, _cached_alpha(alpha), gamma)
   return float(longest_row @ drafts) / max(float(longest_row @ calls), 1e-12)
 
 
@@ -321,9 +327,9 @@ def expected_rows_work(rows: Sequence[int], alpha: float, gamma: int,
   rows = np.asarray(rows, np.int64)
   longest = int(rows.max())
   horizon = max(longest, horizon or 0)
-  done = done_within(horizon, round(float(alpha), 12), gamma)[:, rows]  # [K + 1, b]
+  done = done_within(horizon, _cached_alpha(alpha), gamma)[:, rows]  # [K + 1, b]
   iterations = float(np.sum(1.0 - np.prod(done[:-1], axis=1)))
-  calls, drafts = row_calls_and_drafts(horizon, round(float(alpha), 12), gamma)
+  calls, drafts = row_calls_and_drafts(horizon, _cached_alpha(alpha), gamma)
   return float(longest), iterations, iterations * drafts[longest] / max(calls[longest], 1e-12)
 
 
