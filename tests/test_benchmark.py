@@ -1,5 +1,6 @@
 """jaxspec.measure.benchmark against independent computations, and scripts/benchmark.py end to end."""
 
+import collections
 import dataclasses
 import json
 import os
@@ -201,15 +202,29 @@ def test_timed_decode_loop_runs_every_step(params, encoder_tokens):
   assert np.isfinite(seconds) and np.isfinite(proposal)
 
 
-def test_side_by_side_interleaves_decoders_item_by_item():
+def test_side_by_side_interleaves_decoders_item_by_item_in_balanced_orders():
   calls = []
-  decoders = {'a': lambda i: calls.append(('a', i)) or jnp.zeros(()),
-              'b': lambda i: calls.append(('b', i)) or jnp.zeros(())}
-  totals = measure.time_side_by_side(decoders, num_items=2, repeats=2)
-  warmup, timed = calls[:2], calls[2:]
-  assert warmup == [('a', 0), ('b', 0)]
-  assert timed == [('a', 0), ('b', 0), ('a', 1), ('b', 1)] * 2
-  assert set(totals) == {'a', 'b'} and all(len(t) == 2 and min(t) >= 0 for t in totals.values())
+  decoders = {name: (lambda n: lambda i: calls.append((n, i)) or jnp.zeros(()))(name)
+              for name in 'abc'}
+  totals = measure.time_side_by_side(decoders, num_items=2, repeats=3)
+  warmup, timed = calls[:3], calls[3:]
+  assert warmup == [('a', 0), ('b', 0), ('c', 0)]
+  assert [i for _, i in timed] == [0, 0, 0, 1, 1, 1] * 3  # item by item, every decoder
+  assert timed[:6] == [('a', 0), ('b', 0), ('c', 0), ('c', 1), ('b', 1), ('a', 1)]
+  assert timed[6:9] == [('b', 0), ('c', 0), ('a', 0)]
+  assert set(totals) == set('abc') and all(len(t) == 3 and min(t) >= 0
+                                           for t in totals.values())
+
+
+@pytest.mark.parametrize('count', [1, 2, 3, 4, 5, 6, 7])
+def test_balanced_order_puts_every_decoder_after_every_other_equally_often(count):
+  names = [chr(ord('a') + n) for n in range(count)]
+  orders = [measure.balanced_order(names, k) for k in range(2 * count)]  # whole cycles
+  assert all(sorted(order) == names for order in orders)
+  after = collections.Counter((order[n], order[n + 1]) for order in orders
+                              for n in range(count - 1))
+  assert set(after) == {(x, y) for x in names for y in names if x != y}
+  assert len(set(after.values())) <= 1  # each ordered pair equally often
   kept = {}
   measure.time_side_by_side({'a': lambda i: jnp.full((), i)}, num_items=3, repeats=2,
                             outputs=kept)
