@@ -20,7 +20,7 @@ import pytest
 from jaxspec.config import get_config
 from jaxspec.decoding.drafters import Int8Drafter
 from jaxspec.launch import accelerator_bench
-from jaxspec.measure import accelerator, analysis, step_costs
+from jaxspec.measure import accelerator, analysis, profile, step_costs
 from jaxspec.model.cpu import layout as kernel_layout, matmul as cpu_matmul
 from jaxspec.model.quantization import int8_decoder
 
@@ -390,6 +390,12 @@ def _check_profile_forms(forms, expected):
     assert loop['d2h_copies_per_iteration'] == loop['host_waits_per_iteration'] == 0
     assert draft['d2h_copies_per_draft_step'] == draft['host_waits_per_draft_step'] == 0
     assert 0.0 <= loop['idle_fraction'] <= 1.0 and loop['busy_ms'] <= loop['span_ms']
+    # The draft step's kernels by kind, the longest first, no more kernels than a step has.
+    kinds = draft['kernel_kinds']
+    assert 0 < len(kinds) <= profile.KERNEL_KINDS
+    times = [k['us_per_draft_step'] for k in kinds]
+    assert times == sorted(times, reverse=True) and times[-1] > 0
+    assert sum(k['kernels_per_draft_step'] for k in kinds) <= draft['kernels_per_draft_step'] + 1e-9
 
 
 def test_profile(tiny_run):
@@ -405,6 +411,8 @@ def test_profile(tiny_run):
   assert kernels['static'] == pytest.approx(kernels['early_exit'], rel=0.2)
   assert _positive(part['verify']['kernels_per_verify_step']) and _positive(
       part['verify_step_ms'])
+  assert part['verify']['kernel_kinds'][0]['us_per_verify_step'] > 0
+  assert 'Kernels of a draft step by kind' in tiny_run[1][-1][2]  # the last markdown
 
 
 def test_profile_variants_run_in_child_processes(tmp_path):

@@ -74,6 +74,25 @@ def test_a_gpu_trace_counts_stream_kernels_copies_and_host_waits(tmp_path):
   assert everything.kernels == 4 and everything.busy_ms == pytest.approx(0.029)
 
 
+def test_kernels_are_grouped_by_kind_the_longest_first():
+  """A step's kernels by what XLA made of them: instance numbers dropped, kinds ranked by
+  the time they took (the lever for fewer, larger kernels), copies apart."""
+  def event(name, duration):
+    return profile.Event(name, 0.0, duration, '/device:GPU:0', 'Stream #1', {})
+  kernels = [event('loop_multiply_fusion_12', 2), event('loop_multiply_fusion_3', 3),
+             event('gemv_kernel', 4), event('input_reduce_fusion.7', 1),
+             event('input_reduce_fusion', 1), event('fusion.1.2', 9)]
+  assert profile.kernel_kinds(kernels) == (('fusion', 1, 9.0), ('loop_multiply_fusion', 2, 5.0),
+                                           ('gemv_kernel', 1, 4.0),
+                                           ('input_reduce_fusion', 2, 2.0))
+  assert profile.kernel_kinds(kernels, top=1) == (('fusion', 1, 9.0),)
+  path_counts = profile.count_events([*kernels, event('MemcpyD2H', 50)])
+  assert path_counts.kinds[0] == ('fusion', 1, 9.0)  # the copy is not a kernel kind
+  record = profile._steps_record(path_counts, 2, 'draft_step')  # pylint: disable=protected-access
+  assert record['kernel_kinds'][1] == {'kind': 'loop_multiply_fusion',
+                                       'kernels_per_draft_step': 1.0, 'us_per_draft_step': 2.5}
+
+
 def test_busy_time_is_the_union_of_intervals():
   def event(start, duration):
     return profile.Event('k', start, duration, '/device:GPU:0', 'Stream #1', {})

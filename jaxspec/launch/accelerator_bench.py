@@ -1055,7 +1055,27 @@ def _profile_markdown(p: dict | None) -> list[str]:
       notes.append(f"{name} (`{variant['flags']}`): {_variant_line(variant)}")
   if p.get('skipped'):
     notes.append(f"skipped: {p['skipped']}")
-  return lines + ([''] + [f'- {note}' for note in notes] if notes else []) + ['']
+  lines += [''] + [f'- {note}' for note in notes] if notes else []
+  return lines + [''] + _kernel_kind_lines(p)
+
+
+def _kernel_kind_lines(p: dict) -> list[str]:
+  """Where a draft step's and a verify step's kernels go, by kind (the default flags;
+  the draft loop form 'auto' takes here)."""
+  steps = [('draft step', p['forms'].get(p['draft_loop_auto'], {}).get('draft', {}),
+            'draft_step'),
+           ('verify step', p.get('verify', {}), 'verify_step')]
+  lines = []
+  for label, record, name in steps:
+    kinds = record.get('kernel_kinds')
+    if not kinds:
+      continue
+    lines += [f'Kernels of a {label} by kind, the longest first:', '',
+              f'| kind | kernels per {label} | us per {label} |', '|---|---|---|']
+    lines += [f"| `{k['kind']}` | {_fmt(k[f'kernels_per_{name}'], '.1f')} | "
+              f"{_fmt(k[f'us_per_{name}'], '.1f')} |" for k in kinds]
+    lines.append('')
+  return lines
 
 
 def markdown(record: dict) -> str:

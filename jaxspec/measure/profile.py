@@ -25,7 +25,10 @@ its .xplane.pb, no TensorBoard plugin needed):
                cuEventSynchronize, BlockHostUntilDone, ...): 0 on the CPU;
   idle         the time within the traced program's span when no device operation ran
                (the sum of the gaps between them, streams merged): launch latency and
-               host round trips. On the CPU, the gaps between thunks.
+               host round trips. On the CPU, the gaps between thunks;
+  kinds        the kernels by kind (the name less XLA's instance numbers), those that
+               ran longest first, per draft and per verify step: which fusions and
+               products a step's time goes to.
 
 Nothing here parses flags or writes records; the launcher does.
 """
@@ -63,6 +66,10 @@ _HOST_COPY_CALL = re.compile(r'(cu|cuda|hip)memcpy\w*dtoh|memcpy.*devicetohost',
 _HOST_WAIT = re.compile(r'synchronize|blockhostuntildone', re.IGNORECASE)
 # XLA:CPU thunks that contain others (their contents are counted, not themselves).
 _CONTAINER_OP = re.compile(r'^(while|conditional|call|async)', re.IGNORECASE)
+# A kernel's kind: its name less the numbers XLA appends to tell instances apart
+# ('loop_multiply_fusion_12' and 'loop_multiply_fusion_3' are one kind).
+_INSTANCE_SUFFIX = re.compile(r'([._]\d+)+$')
+KERNEL_KINDS = 12  # the kinds a record lists, those that took longest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +167,8 @@ class TraceCounts:
   host_waits: int
   busy_ms: float
   span_ms: float
+  # (kind, kernels, microseconds) of the KERNEL_KINDS kinds that ran longest
+  kinds: tuple[tuple[str, int, float], ...] = ()
 
   @property
   def idle_ms(self) -> float:
@@ -169,6 +178,24 @@ class TraceCounts:
     """The counts of this program less another's (a loop less its prologue)."""
     return {name: getattr(self, name) - getattr(other, name)
             for name in ('kernels', 'd2h_copies', 'd2h_calls', 'host_waits')}
+
+
+def kernel_kind(name: str) -> str:
+  """A kernel's kind: its name without XLA's instance numbers."""
+  return _INSTANCE_SUFFIX.sub('', name) or name
+
+
+def kernel_kinds(kernels: Iterable[Event], top: int = KERNEL_KINDS
+                 ) -> tuple[tuple[str, int, float], ...]:
+  """((kind, kernels, microseconds), ...) of the `top` kinds that ran longest: where
+  a step's time goes, by what XLA made of it (fusions, products, copies)."""
+  counts: dict[str, list] = {}
+  for event in kernels:
+    entry = counts.setdefault(kernel_kind(event.name), [0, 0.0])
+    entry[0] += 1
+    entry[1] += event.duration
+  ranked = sorted(counts.items(), key=lambda item: (-item[1][1], item[0]))[:top]
+  return tuple((kind, count, seconds) for kind, (count, seconds) in ranked)
 
 
 def count_events(events: Sequence[Event], module: str | None = None) -> TraceCounts:
@@ -187,7 +214,7 @@ def count_events(events: Sequence[Event], module: str | None = None) -> TraceCou
       d2h_copies=sum(1 for e in copies if _DEVICE_TO_HOST.search(e.name)),
       d2h_calls=sum(1 for e in host if _HOST_COPY_CALL.search(e.name)),
       host_waits=sum(1 for e in host if _HOST_WAIT.search(e.name)),
-      busy_ms=busy / 1e3, span_ms=span / 1e3)
+      busy_ms=busy / 1e3, span_ms=span / 1e3, kinds=kernel_kinds(kernels))
 
 
 def traced(call: Callable[[], Any], module: str | None = None,
@@ -294,7 +321,11 @@ def _steps_record(counts: TraceCounts, steps: int, name: str) -> dict:
           f'd2h_copies_per_{name}': _per(counts.d2h_copies, steps),
           f'host_waits_per_{name}': _per(counts.host_waits, steps),
           'idle_fraction': counts.idle_ms / counts.span_ms if counts.span_ms > 0 else None,
-          'span_ms': counts.span_ms, 'busy_ms': counts.busy_ms}
+          'span_ms': counts.span_ms, 'busy_ms': counts.busy_ms,
+          # Where a step's kernels go: the kinds that ran longest, per step.
+          'kernel_kinds': [{'kind': kind, f'kernels_per_{name}': _per(count, steps),
+                            f'us_per_{name}': _per(micros, steps)}
+                           for kind, count, micros in counts.kinds]}
 
 
 def profile_decode(target_params, target_config: T5Config, drafter: Drafter, drafter_params,
