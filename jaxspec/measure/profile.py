@@ -195,7 +195,7 @@ def kernel_kinds(kernels: Iterable[Event], top: int = KERNEL_KINDS
     entry[0] += 1
     entry[1] += event.duration
   ranked = sorted(counts.items(), key=lambda item: (-item[1][1], item[0]))[:top]
-  return tuple((kind, count, seconds) for kind, (count, seconds) in ranked)
+  return tuple((kind, count, micros) for kind, (count, micros) in ranked)
 
 
 def count_events(events: Sequence[Event], module: str | None = None) -> TraceCounts:
